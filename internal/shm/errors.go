@@ -1,0 +1,26 @@
+package shm
+
+import "errors"
+
+var (
+	// ErrUnsupported is returned on platforms without memfd, mmap or SCM_RIGHTS.
+	ErrUnsupported = errors.New("shm: not supported on this platform")
+
+	// ErrBadSize is returned by Map and MapFd when a descriptor's size is zero,
+	// larger than MaxMapSize, or different from the size the caller expects.
+	ErrBadSize = errors.New("shm: bad shared-memory size")
+
+	// ErrBadRights is returned by RecvFds when the peer's control message does
+	// not carry exactly the expected number of descriptors. Any descriptors
+	// that did arrive are closed before it is returned.
+	ErrBadRights = errors.New("shm: bad SCM_RIGHTS message")
+
+	// ErrNotRegular is returned by OpenFile when the path does not name a
+	// regular file.
+	ErrNotRegular = errors.New("shm: not a regular file")
+)
+
+// MaxMapSize is the largest mapping this package creates or accepts, in
+// bytes. Offsets in shared memory are 32-bit (PROTOCOL.md section 2.3), so a
+// region cannot usefully exceed 4 GiB.
+const MaxMapSize = 1<<32 - 1

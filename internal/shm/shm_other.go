@@ -1,0 +1,35 @@
+//go:build !linux
+
+package shm
+
+import (
+	"net"
+	"os"
+)
+
+// CreateMemfd returns ErrUnsupported on this platform.
+func CreateMemfd(name string, size int) (*os.File, error) { return nil, ErrUnsupported }
+
+// CreateFile returns ErrUnsupported on this platform.
+func CreateFile(path string, size int) (*os.File, error) { return nil, ErrUnsupported }
+
+// OpenFile returns ErrUnsupported on this platform.
+func OpenFile(path string) (*os.File, error) { return nil, ErrUnsupported }
+
+// Size returns ErrUnsupported on this platform.
+func Size(fd int) (int, error) { return 0, ErrUnsupported }
+
+// Map returns ErrUnsupported on this platform.
+func Map(fd int, want int) ([]byte, error) { return nil, ErrUnsupported }
+
+// Unmap returns ErrUnsupported on this platform.
+func Unmap(mem []byte) error { return ErrUnsupported }
+
+// SendFds returns ErrUnsupported on this platform.
+func SendFds(c *net.UnixConn, fds ...int) error { return ErrUnsupported }
+
+// RecvFds returns ErrUnsupported on this platform.
+func RecvFds(c *net.UnixConn, want int) ([]int, error) { return nil, ErrUnsupported }
+
+// CloseFd does nothing on this platform.
+func CloseFd(fd int) {}
