@@ -1,0 +1,128 @@
+package buffer
+
+import (
+	"encoding/binary"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestLayoutOffsets checks the offset constants against the byte maps of
+// PROTOCOL.md sections 2.1 to 2.3.
+func TestLayoutOffsets(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		got, want int
+	}{
+		{"region lists", regionOffLists, 0},
+		{"region reserved", regionOffReserved, 2},
+		{"region used", regionOffUsed, 4},
+		{"RegionHeaderSize", RegionHeaderSize, 8},
+		{"list free", listOffFree, 0},
+		{"list cap", listOffCap, 4},
+		{"list head", listOffHead, 8},
+		{"list tail", listOffTail, 12},
+		{"list slice size", listOffSliceSize, 16},
+		{"list in use", listOffInUse, 20},
+		{"list counters", listOffInUse + 16, ListHeaderSize},
+		{"ListHeaderSize", ListHeaderSize, 36},
+		{"slice cap", sliceOffCap, 0},
+		{"slice size", sliceOffSize, 4},
+		{"slice start", sliceOffStart, 8},
+		{"slice next", sliceOffNext, 12},
+		{"slice flags", sliceOffFlags, 16},
+		{"SliceHeaderSize", SliceHeaderSize, 20},
+		{"FlagNext", FlagNext, 0x01},
+		{"FlagAllocated", FlagAllocated, 0x02},
+		{"DefaultRegionSize", DefaultRegionSize, 32 << 20},
+	} {
+		require.Equal(t, tc.want, tc.got, tc.name)
+	}
+	// Every shared field must stay 4-byte aligned for the atomics.
+	for _, off := range []int{RegionHeaderSize, ListHeaderSize, SliceHeaderSize,
+		listOffFree, listOffCap, listOffHead, listOffTail, listOffSliceSize, listOffInUse,
+		sliceOffCap, sliceOffSize, sliceOffStart, sliceOffNext, sliceOffFlags} {
+		require.Zero(t, off%fieldAlign, "offset %d", off)
+	}
+}
+
+// TestFlagWord checks that the flags byte is the first byte of its word.
+func TestFlagWord(t *testing.T) {
+	var b [4]byte
+	binary.NativeEndian.PutUint32(b[:], flagWord(FlagNext|FlagAllocated))
+	require.Equal(t, [4]byte{0x03, 0, 0, 0}, b)
+	require.Equal(t, uint8(FlagAllocated), wordFlags(binary.NativeEndian.Uint32([]byte{0x02, 0xff, 0xff, 0xff})))
+}
+
+func TestDefaultSizeClasses(t *testing.T) {
+	a := DefaultSizeClasses()
+	require.Equal(t, []SizeClass{{8172, 50}, {32748, 30}, {131052, 20}}, a)
+	a[0].SliceSize = 1
+	require.Equal(t, uint32(8172), DefaultSizeClasses()[0].SliceSize, "each call returns a fresh slice")
+}
+
+// littleEndian skips t on a big-endian host: the expected bytes below are
+// those of the amd64 and arm64 peers.
+func littleEndian(t *testing.T) {
+	t.Helper()
+	if binary.NativeEndian.Uint16([]byte{1, 0}) != 1 {
+		t.Skip("expected bytes are little-endian")
+	}
+}
+
+// checkDefaultLayout checks that mem holds a freshly formatted default
+// region (PROTOCOL.md section 2.2) and that r describes it.
+func checkDefaultLayout(t *testing.T, mem []byte, r *Region) {
+	t.Helper()
+	littleEndian(t)
+	require.Equal(t, []byte{0x03, 0x00, 0x00, 0x00, 0x6c, 0x60, 0xff, 0x01}, mem[:RegionHeaderSize])
+
+	off0 := uint32(8)
+	off1 := off0 + 36 + 2047*8192
+	off2 := off1 + 36 + 307*32768
+	require.Equal(t, []ListInfo{
+		{Offset: off0, Cap: 2047, SliceSize: 8172},
+		{Offset: off1, Cap: 307, SliceSize: 32748},
+		{Offset: off2, Cap: 51, SliceSize: 131052},
+	}, r.Lists())
+	require.Equal(t, uint32(off2+36+51*131072), 8+binary.LittleEndian.Uint32(mem[4:]))
+	require.Equal(t, DefaultRegionSize, r.Len())
+	require.Equal(t, 131052, r.MaxSliceSize())
+	require.Equal(t, []int{0, 0, 0}, r.InUse())
+
+	le := binary.LittleEndian
+	for _, l := range r.Lists() {
+		h := mem[l.Offset:]
+		stride := l.SliceSize + SliceHeaderSize
+		require.Equal(t, l.Cap, le.Uint32(h[0:]), "free")
+		require.Equal(t, l.Cap, le.Uint32(h[4:]), "cap")
+		require.Equal(t, uint32(0), le.Uint32(h[8:]), "head")
+		require.Equal(t, (l.Cap-1)*stride, le.Uint32(h[12:]), "tail")
+		require.Equal(t, l.SliceSize, le.Uint32(h[16:]), "slice size")
+		require.Equal(t, make([]byte, 16), h[20:36], "counters")
+		area := l.Offset + ListHeaderSize
+		for i := uint32(0); i < l.Cap; i++ {
+			s := mem[area+i*stride:]
+			require.Equal(t, l.SliceSize, le.Uint32(s[0:]), "slice %d cap", i)
+			require.Equal(t, uint32(0), le.Uint32(s[4:]), "slice %d size", i)
+			require.Equal(t, uint32(0), le.Uint32(s[8:]), "slice %d start", i)
+			if i < l.Cap-1 {
+				require.Equal(t, (i+1)*stride, le.Uint32(s[12:]), "slice %d next", i)
+				require.Equal(t, []byte{FlagNext, 0, 0, 0}, s[16:20], "slice %d flags", i)
+			} else {
+				require.Equal(t, []byte{0, 0, 0, 0}, s[16:20], "last slice flags")
+			}
+		}
+	}
+}
+
+func TestFormatDefaultLayout(t *testing.T) {
+	mem := make([]byte, DefaultRegionSize)
+	r, err := Format(mem, DefaultSizeClasses())
+	require.NoError(t, err)
+	checkDefaultLayout(t, mem, r)
+
+	a, err := Attach(mem)
+	require.NoError(t, err)
+	require.Equal(t, r.Lists(), a.Lists())
+}

@@ -1,0 +1,208 @@
+package buffer
+
+import (
+	"fmt"
+	"sync/atomic"
+	"unsafe"
+)
+
+// Retry bounds of the lock-free list operations. Every loop that reads
+// shared memory is bounded, so a peer that keeps rewriting a list can make
+// an operation fail but never spin forever.
+const (
+	// popTries bounds the CAS attempts on a list head; the peers use 200
+	// (PROTOCOL.md section 2.4). Running out is reported as ErrNoSpace.
+	popTries = 200
+
+	// pushTries bounds the CAS attempts on a list tail. Each failed attempt
+	// means another push succeeded, so only a peer rewriting the tail can
+	// exhaust it; that is reported as ErrCorrupt.
+	pushTries = 1 << 16
+
+	// claimTries bounds the CAS attempts on the flags of a slice being
+	// freed, which only the slice's owner writes.
+	claimTries = 16
+)
+
+// list is this process's view of one buffer list (PROTOCOL.md section 2.2).
+// Its geometry is read once, by Format or Attach, and never again: a peer
+// may rewrite cap and slice size in shared memory at any time, so every
+// offset read at run time (head, tail, next) is checked against this copy.
+type list struct {
+	off      uint32 // absolute offset of the list header
+	area     uint32 // absolute offset of slice 0: off + ListHeaderSize
+	areaLen  uint32 // bytes of slices: cap * stride
+	end      uint32 // absolute offset one past the last slice
+	cap      uint32 // slices in the list
+	dataSize uint32 // data bytes per slice
+	stride   uint32 // SliceHeaderSize + dataSize
+	// strideMask is stride-1 when stride is a power of two (the default
+	// classes), letting validRel avoid a division; 0 otherwise.
+	strideMask uint32
+
+	// Shared counters and links, at fixed offsets inside the mapping.
+	free  *int32
+	head  *uint32
+	tail  *uint32
+	inUse *int32
+}
+
+// newList returns the view of a list whose header is at off, with cap
+// slices of dataSize data bytes. The caller has checked that the list lies
+// inside the mapping that starts at base.
+func newList(base unsafe.Pointer, off, cap, dataSize uint32) list {
+	stride := SliceHeaderSize + dataSize
+	l := list{
+		off:      off,
+		area:     off + ListHeaderSize,
+		areaLen:  cap * stride,
+		cap:      cap,
+		dataSize: dataSize,
+		stride:   stride,
+		free:     i32(base, off+listOffFree),
+		head:     u32(base, off+listOffHead),
+		tail:     u32(base, off+listOffTail),
+		inUse:    i32(base, off+listOffInUse),
+	}
+	l.end = l.area + l.areaLen
+	if stride&(stride-1) == 0 {
+		l.strideMask = stride - 1
+	}
+	return l
+}
+
+// validRel reports whether rel, an offset relative to the slice area, is
+// the header of one of the list's slices.
+func (l *list) validRel(rel uint32) bool {
+	if rel >= l.areaLen {
+		return false
+	}
+	if l.strideMask != 0 {
+		return rel&l.strideMask == 0
+	}
+	return rel%l.stride == 0
+}
+
+// format writes the initial state of the list and its slices (PROTOCOL.md
+// section 2.2): every slice free and linked to the next, the last one
+// without FlagNext. Only the creator calls it, before any peer attaches.
+func (l *list) format(base unsafe.Pointer) {
+	*u32(base, l.off+listOffFree) = l.cap
+	*u32(base, l.off+listOffCap) = l.cap
+	*u32(base, l.off+listOffHead) = 0
+	*u32(base, l.off+listOffTail) = l.areaLen - l.stride
+	*u32(base, l.off+listOffSliceSize) = l.dataSize
+	for c := uint32(listOffInUse); c < ListHeaderSize; c += 4 {
+		*u32(base, l.off+c) = 0
+	}
+	for rel := uint32(0); rel < l.areaLen; rel += l.stride {
+		h := l.area + rel
+		next, flags := rel+l.stride, uint8(FlagNext)
+		if next == l.areaLen {
+			next, flags = 0, 0
+		}
+		*u32(base, h+sliceOffCap) = l.dataSize
+		*u32(base, h+sliceOffSize) = 0
+		*u32(base, h+sliceOffStart) = 0
+		*u32(base, h+sliceOffNext) = next
+		*u32(base, h+sliceOffFlags) = flagWord(flags)
+	}
+}
+
+// pop takes the first free slice off the list and returns the absolute
+// offset of its header (PROTOCOL.md section 2.4). It returns ErrNoSpace,
+// unwrapped, when the list holds at most one free slice or the head did not
+// settle within popTries attempts, and an error wrapping ErrCorrupt when the
+// head or a next link is not a slice of this list.
+//
+// The protocol's list is exposed to ABA, in every implementation: a popper
+// delayed between reading head's next and its CAS, while other pops and
+// pushes bring the same slice back to the head, installs a stale next and
+// can make a slice be handed out twice. It takes a whole turn of the free
+// list during the delay, so it threatens nearly exhausted lists most.
+// Validation keeps any next inside the list, so the worst outcome is a
+// damaged free list, never an access outside the mapping.
+func (l *list) pop(base unsafe.Pointer) (uint32, error) {
+	if atomic.AddInt32(l.free, -1) <= 0 {
+		atomic.AddInt32(l.free, 1)
+		return 0, ErrNoSpace
+	}
+	for range popTries {
+		h := atomic.LoadUint32(l.head)
+		if !l.validRel(h) {
+			atomic.AddInt32(l.free, 1)
+			return 0, l.corrupt("head", h)
+		}
+		hdr := l.area + h
+		if load32(base, hdr+sliceOffFlags)&flagWord(FlagNext) == 0 {
+			// The head is the last free slice, or a push has moved the
+			// tail but not linked it yet.
+			if atomic.LoadInt32(l.free) <= 1 {
+				break
+			}
+			continue
+		}
+		next := load32(base, hdr+sliceOffNext)
+		if next == h || !l.validRel(next) {
+			if atomic.LoadUint32(l.head) != h {
+				continue // read while another popper took h
+			}
+			atomic.AddInt32(l.free, 1)
+			return 0, l.corrupt("next link", next)
+		}
+		if atomic.CompareAndSwapUint32(l.head, h, next) {
+			// The slice is ours: restore the cap a peer may have
+			// damaged, then mark it allocated.
+			*u32(base, hdr+sliceOffCap) = l.dataSize
+			atomic.StoreUint32(u32(base, hdr+sliceOffFlags), flagWord(FlagAllocated))
+			atomic.AddInt32(l.inUse, 1)
+			return hdr, nil
+		}
+	}
+	atomic.AddInt32(l.free, 1)
+	return 0, ErrNoSpace
+}
+
+// push recycles the slice whose header is at absolute offset hdr onto the
+// tail of the list (PROTOCOL.md section 2.4). The caller has checked that
+// hdr is a slice of this list and has cleared its flags, which makes it the
+// caller's alone. It returns an error wrapping ErrCorrupt when the tail is
+// not a slice of this list or is hdr itself; the slice is then lost.
+func (l *list) push(base unsafe.Pointer, hdr uint32) error {
+	rel := hdr - l.area
+	*u32(base, hdr+sliceOffSize) = 0
+	*u32(base, hdr+sliceOffStart) = 0
+	for range pushTries {
+		t := atomic.LoadUint32(l.tail)
+		if !l.validRel(t) || t == rel {
+			return l.corrupt("tail", t)
+		}
+		if atomic.CompareAndSwapUint32(l.tail, t, rel) {
+			old := l.area + t
+			atomic.StoreUint32(u32(base, old+sliceOffNext), rel)
+			atomic.OrUint32(u32(base, old+sliceOffFlags), flagWord(FlagNext))
+			atomic.AddInt32(l.free, 1)
+			atomic.AddInt32(l.inUse, -1)
+			return nil
+		}
+	}
+	return fmt.Errorf("buffer list at %d: tail keeps changing: %w", l.off, ErrCorrupt)
+}
+
+// used returns the slices of the list not on its free list, cap minus the
+// free count clamped to [0, cap].
+func (l *list) used() int {
+	free := atomic.LoadInt32(l.free)
+	switch {
+	case free <= 0:
+		return int(l.cap)
+	case uint32(free) >= l.cap:
+		return 0
+	}
+	return int(l.cap) - int(free)
+}
+
+// corrupt returns the error for a bad offset read from the list.
+func (l *list) corrupt(what string, v uint32) error {
+	return fmt.Errorf("buffer list at %d: %s %d is not a slice of the list: %w", l.off, what, v, ErrCorrupt)
+}
