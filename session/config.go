@@ -1,0 +1,187 @@
+package session
+
+import (
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"time"
+
+	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/queue"
+)
+
+// MemoryType says how a client shares its buffer region and IO queue with a
+// server (PROTOCOL.md section 1.4).
+type MemoryType uint8
+
+const (
+	// MemoryAuto uses MemoryMemfd over a Unix socket and MemoryFile over TCP.
+	MemoryAuto MemoryType = iota
+	// MemoryMemfd creates anonymous memfds and passes them with SCM_RIGHTS
+	// (handshake v3). It needs a Unix socket.
+	MemoryMemfd
+	// MemoryFile creates files in Config.ShmDir and sends their paths
+	// (handshake v2 over TCP, v3 with a file path over a Unix socket).
+	MemoryFile
+)
+
+// String returns "auto", "memfd" or "file".
+func (m MemoryType) String() string {
+	switch m {
+	case MemoryAuto:
+		return "auto"
+	case MemoryMemfd:
+		return "memfd"
+	case MemoryFile:
+		return "file"
+	}
+	return fmt.Sprintf("MemoryType(%d)", uint8(m))
+}
+
+// Defaults used by a zero Config. Sizes are in bytes, caps in events.
+const (
+	// DefaultBufferSize is the size of the buffer region a client creates.
+	DefaultBufferSize = buffer.DefaultRegionSize
+	// DefaultQueueCap is the number of 12-byte events per IO-queue direction.
+	DefaultQueueCap = queue.DefaultCap
+	// DefaultShmDir is where file-backed regions and queues are created.
+	DefaultShmDir = "/dev/shm"
+	// DefaultHandshakeTimeout bounds the whole handshake on either side.
+	DefaultHandshakeTimeout = 3 * time.Second
+	// DefaultAcceptBacklog is how many opened streams a server session holds
+	// for AcceptStream before it refuses new ones (by closing them).
+	DefaultAcceptBacklog = 4096
+	// DefaultQueueFullTimeout is how long a writer waits for room in a full
+	// IO queue before its write fails with ErrQueueFull.
+	DefaultQueueFullTimeout = 5 * time.Second
+)
+
+// Config tunes a session. The zero value works: every zero field takes the
+// default named in its comment. A Config is copied when a session starts, so
+// changing it later has no effect on running sessions.
+type Config struct {
+	// BufferSize is the size in bytes of the buffer region a client creates
+	// (PROTOCOL.md section 2). Default DefaultBufferSize (32 MiB). Servers
+	// map whatever the client created.
+	BufferSize int
+
+	// SizeClasses are the slice sizes (data bytes per slice) and the share
+	// of the region (percent) each gets. Default buffer.DefaultSizeClasses():
+	// 8172, 32748 and 131052 bytes at 50, 30 and 20 percent.
+	SizeClasses []buffer.SizeClass
+
+	// QueueCap is the number of events per direction of the IO queue a
+	// client creates (PROTOCOL.md section 3). Default DefaultQueueCap (8192).
+	QueueCap uint32
+
+	// MemoryType selects memfd or file-backed shared memory for a client.
+	// Default MemoryAuto.
+	MemoryType MemoryType
+
+	// ShmDir is the directory where a client creates file-backed shared
+	// memory, and the only directory from which a server maps files named
+	// by a peer. Default DefaultShmDir ("/dev/shm").
+	ShmDir string
+
+	// HandshakeTimeout bounds the handshake on both sides. Default
+	// DefaultHandshakeTimeout (3 s).
+	HandshakeTimeout time.Duration
+
+	// MaxMessageSize is the largest control message accepted from the peer,
+	// header included, in bytes. Default DefaultMaxMessageSize (16 MiB).
+	MaxMessageSize int
+
+	// AcceptBacklog is the number of streams a server session queues for
+	// AcceptStream. Default DefaultAcceptBacklog.
+	AcceptBacklog int
+
+	// QueueFullTimeout is how long a write waits for room in a full IO queue
+	// before failing with ErrQueueFull, unless its deadline comes first.
+	// Default DefaultQueueFullTimeout (5 s).
+	QueueFullTimeout time.Duration
+
+	// Logger receives session events (handshakes, protocol errors). Nil
+	// means silent.
+	Logger *slog.Logger
+}
+
+// Validate reports the first field of c that is out of range, as a
+// *ConfigError naming it. Zero fields are valid (they mean the default).
+func (c *Config) Validate() error {
+	switch {
+	case c.BufferSize < 0:
+		return &ConfigError{Field: "BufferSize", Reason: "negative"}
+	case c.BufferSize > 0 && c.BufferSize < 64<<10:
+		return &ConfigError{Field: "BufferSize", Reason: "below 64 KiB"}
+	case c.BufferSize > 1<<32-1:
+		return &ConfigError{Field: "BufferSize", Reason: "above 4 GiB - 1 (offsets are 32-bit)"}
+	case c.QueueCap > queue.MaxCap:
+		return &ConfigError{Field: "QueueCap", Reason: fmt.Sprintf("above %d", queue.MaxCap)}
+	case c.MemoryType > MemoryFile:
+		return &ConfigError{Field: "MemoryType", Reason: "unknown"}
+	case c.ShmDir != "" && !filepath.IsAbs(c.ShmDir):
+		return &ConfigError{Field: "ShmDir", Reason: "not an absolute path"}
+	case c.HandshakeTimeout < 0:
+		return &ConfigError{Field: "HandshakeTimeout", Reason: "negative"}
+	case c.MaxMessageSize < 0:
+		return &ConfigError{Field: "MaxMessageSize", Reason: "negative"}
+	case c.MaxMessageSize > 0 && c.MaxMessageSize < 64<<10:
+		return &ConfigError{Field: "MaxMessageSize", Reason: "below 64 KiB"}
+	case c.AcceptBacklog < 0:
+		return &ConfigError{Field: "AcceptBacklog", Reason: "negative"}
+	case c.QueueFullTimeout < 0:
+		return &ConfigError{Field: "QueueFullTimeout", Reason: "negative"}
+	}
+	if c.SizeClasses != nil {
+		sum := uint32(0)
+		for i, sc := range c.SizeClasses {
+			if sc.SliceSize == 0 || (i > 0 && sc.SliceSize <= c.SizeClasses[i-1].SliceSize) {
+				return &ConfigError{Field: "SizeClasses", Reason: "slice sizes must be positive and ascending"}
+			}
+			sum += sc.Percent
+		}
+		if sum != 100 {
+			return &ConfigError{Field: "SizeClasses", Reason: "percents must sum to 100"}
+		}
+	}
+	return nil
+}
+
+// withDefaults returns a copy of c with every zero field set to its default.
+func (c *Config) withDefaults() Config {
+	out := Config{}
+	if c != nil {
+		out = *c
+	}
+	if out.BufferSize == 0 {
+		out.BufferSize = DefaultBufferSize
+	}
+	if out.SizeClasses == nil {
+		out.SizeClasses = buffer.DefaultSizeClasses()
+	} else {
+		out.SizeClasses = append([]buffer.SizeClass(nil), out.SizeClasses...)
+	}
+	if out.QueueCap == 0 {
+		out.QueueCap = DefaultQueueCap
+	}
+	if out.ShmDir == "" {
+		out.ShmDir = DefaultShmDir
+	}
+	out.ShmDir = filepath.Clean(out.ShmDir)
+	if out.HandshakeTimeout == 0 {
+		out.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if out.MaxMessageSize == 0 {
+		out.MaxMessageSize = DefaultMaxMessageSize
+	}
+	if out.AcceptBacklog == 0 {
+		out.AcceptBacklog = DefaultAcceptBacklog
+	}
+	if out.QueueFullTimeout == 0 {
+		out.QueueFullTimeout = DefaultQueueFullTimeout
+	}
+	if out.Logger == nil {
+		out.Logger = slog.New(slog.DiscardHandler)
+	}
+	return out
+}

@@ -1,0 +1,78 @@
+package session
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+)
+
+var (
+	// ErrSessionClosed is returned by every call on a session, or on a stream
+	// of a session, after the session was closed locally. It satisfies
+	// errors.Is(err, net.ErrClosed).
+	ErrSessionClosed = fmt.Errorf("shmlink: session closed: %w", net.ErrClosed)
+
+	// ErrStreamClosed is returned by Read, Write and the zero-copy calls on a
+	// stream after its Close. It satisfies errors.Is(err, net.ErrClosed).
+	ErrStreamClosed = fmt.Errorf("shmlink: stream closed: %w", net.ErrClosed)
+
+	// ErrNotClient is returned by OpenStream on a server session: only the
+	// client opens streams in the shmipc protocol (PROTOCOL.md section 4).
+	ErrNotClient = errors.New("shmlink: only a client session opens streams")
+
+	// ErrNotServer is returned by AcceptStream on a client session.
+	ErrNotServer = errors.New("shmlink: only a server session accepts streams")
+
+	// ErrQueueFull is returned by a write when the peer left the IO queue full
+	// for longer than Config.QueueFullTimeout.
+	ErrQueueFull = errors.New("shmlink: IO queue full")
+
+	// ErrStreamIDs is returned by OpenStream when the 32-bit stream id space
+	// of the session is used up.
+	ErrStreamIDs = errors.New("shmlink: stream ids exhausted")
+
+	// ErrHandshake is wrapped by every handshake failure.
+	ErrHandshake = errors.New("shmlink: handshake failed")
+
+	// ErrPeerClosed is the cause recorded when the peer closed the control
+	// connection; streams that still had data to write see it.
+	ErrPeerClosed = errors.New("shmlink: peer closed the session")
+)
+
+// ConfigError reports a Config field that Validate rejected.
+type ConfigError struct {
+	Field  string // name of the Config field
+	Reason string // what is wrong with it
+}
+
+// Error returns "shmlink: bad Config.<Field>: <Reason>".
+func (e *ConfigError) Error() string {
+	return "shmlink: bad Config." + e.Field + ": " + e.Reason
+}
+
+// SessionError is the error a session ended with when the peer or the
+// control connection failed (a protocol error, corrupt shared memory, an I/O
+// error): every stream of the session returns it.
+type SessionError struct {
+	Op  string // what the session was doing: "read", "poll", "handshake", ...
+	Err error  // the cause
+}
+
+// Error returns "shmlink: session <Op>: <Err>".
+func (e *SessionError) Error() string { return "shmlink: session " + e.Op + ": " + e.Err.Error() }
+
+// Unwrap returns the cause.
+func (e *SessionError) Unwrap() error { return e.Err }
+
+// deadlineError is returned when a deadline passes. It is a net.Error with
+// Timeout() true and unwraps to os.ErrDeadlineExceeded.
+type deadlineError struct{}
+
+func (deadlineError) Error() string   { return "shmlink: i/o timeout" }
+func (deadlineError) Timeout() bool   { return true }
+func (deadlineError) Temporary() bool { return true }
+func (deadlineError) Unwrap() error   { return os.ErrDeadlineExceeded }
+
+// errDeadline is the one value of deadlineError.
+var errDeadline net.Error = deadlineError{}

@@ -1,0 +1,341 @@
+package session
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/internal/shm"
+	"github.com/shmlink/shmlink/queue"
+)
+
+// maxHandshakeMessage bounds a handshake message: header, two length
+// prefixes and two paths.
+const maxHandshakeMessage = HeaderSize + 2 + MaxPathLen + 2 + MaxPathLen
+
+// ProtocolVersion is the highest shmipc protocol version this package speaks
+// (PROTOCOL.md section 1.4).
+const ProtocolVersion = 3
+
+// memory is the shared memory of one session: the buffer region and the IO
+// queue, both mapped, plus the files to remove when the session ends.
+type memory struct {
+	bufMem, queueMem []byte
+	region           *buffer.Region
+	send, recv       *queue.Ring
+	remove           []string // file paths this side created and still has to unlink
+}
+
+// release unmaps both mappings and removes the files still owned.
+func (m *memory) release() {
+	shm.Unmap(m.bufMem)
+	shm.Unmap(m.queueMem)
+	for _, p := range m.remove {
+		os.Remove(p)
+	}
+	*m = memory{}
+}
+
+// randomName returns a name for shared-memory objects that another local
+// user cannot predict: "shmlink_<pid>_<16 hex digits>".
+func randomName() string {
+	var b [8]byte
+	rand.Read(b[:])
+	return fmt.Sprintf("shmlink_%d_%s", os.Getpid(), hex.EncodeToString(b[:]))
+}
+
+// handshakeError wraps err as a handshake failure of op.
+func handshakeError(op string, err error) error {
+	return &SessionError{Op: "handshake", Err: fmt.Errorf("%w: %s: %w", ErrHandshake, op, err)}
+}
+
+// clientHandshake creates the client's buffer region and IO queue, shares
+// them with the server over conn, and returns the negotiated version.
+// On error everything it created is released; conn is left to the caller.
+func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err error) {
+	uc, isUnix := conn.(*net.UnixConn)
+	mt := cfg.MemoryType
+	if mt == MemoryAuto {
+		mt = MemoryFile
+		if isUnix {
+			mt = MemoryMemfd
+		}
+	}
+	if mt == MemoryMemfd && !isUnix {
+		return nil, 0, handshakeError("config", errors.New("memfd needs a Unix socket"))
+	}
+	if err := conn.SetDeadline(time.Now().Add(cfg.HandshakeTimeout)); err != nil {
+		return nil, 0, handshakeError("set deadline", err)
+	}
+	defer conn.SetDeadline(time.Time{})
+
+	name := randomName()
+	meta := ShmMetadata{
+		QueuePath:  filepath.Join(cfg.ShmDir, name+"_queue_0"),
+		BufferPath: filepath.Join(cfg.ShmDir, name+"_buffer"),
+	}
+	mem := &memory{}
+	var bufFile, queueFile *os.File
+	defer func() {
+		if bufFile != nil {
+			bufFile.Close()
+		}
+		if queueFile != nil {
+			queueFile.Close()
+		}
+		if err != nil {
+			mem.release()
+		}
+	}()
+	queueSize := queue.Size(cfg.QueueCap)
+	if mt == MemoryMemfd {
+		if bufFile, err = shm.CreateMemfd("shmipc"+meta.BufferPath, cfg.BufferSize); err != nil {
+			return nil, 0, handshakeError("create buffer", err)
+		}
+		if queueFile, err = shm.CreateMemfd("shmipc"+meta.QueuePath, queueSize); err != nil {
+			return nil, 0, handshakeError("create queue", err)
+		}
+	} else {
+		if bufFile, err = shm.CreateFile(meta.BufferPath, cfg.BufferSize); err != nil {
+			return nil, 0, handshakeError("create buffer", err)
+		}
+		mem.remove = append(mem.remove, meta.BufferPath)
+		if queueFile, err = shm.CreateFile(meta.QueuePath, queueSize); err != nil {
+			return nil, 0, handshakeError("create queue", err)
+		}
+		mem.remove = append(mem.remove, meta.QueuePath)
+	}
+	if mem.bufMem, err = shm.Map(int(bufFile.Fd()), cfg.BufferSize); err != nil {
+		return nil, 0, handshakeError("map buffer", err)
+	}
+	if mem.queueMem, err = shm.Map(int(queueFile.Fd()), queueSize); err != nil {
+		return nil, 0, handshakeError("map queue", err)
+	}
+	if mem.region, err = buffer.Format(mem.bufMem, cfg.SizeClasses); err != nil {
+		return nil, 0, handshakeError("format buffer", err)
+	}
+	// The client sends on the first half and receives on the second (3).
+	if mem.send, mem.recv, err = queue.FormatPair(mem.queueMem, cfg.QueueCap); err != nil {
+		return nil, 0, handshakeError("format queue", err)
+	}
+
+	if mt == MemoryFile && !isUnix {
+		// v2: metadata, no reply. The files stay until the session ends,
+		// since nothing tells us when the server has mapped them.
+		if _, err = conn.Write(AppendShareMemory(nil, 2, TypeShareMemoryByFilePath, meta)); err != nil {
+			return nil, 0, handshakeError("send metadata", err)
+		}
+		return mem, 2, nil
+	}
+
+	// v3: exchange versions first.
+	if _, err = conn.Write(AppendSimple(nil, ProtocolVersion, TypeExchangeProtoVersion)); err != nil {
+		return nil, 0, handshakeError("send version", err)
+	}
+	h, err := readHandshakeHeader(conn, TypeExchangeProtoVersion)
+	if err != nil {
+		return nil, 0, err
+	}
+	version = min(h.Version, ProtocolVersion)
+	if version < 3 {
+		return nil, 0, handshakeError("version", fmt.Errorf("server speaks version %d; v3 is needed over a Unix socket", h.Version))
+	}
+	if mt == MemoryMemfd {
+		if _, err = conn.Write(AppendShareMemory(nil, version, TypeShareMemoryByMemfd, meta)); err != nil {
+			return nil, 0, handshakeError("send metadata", err)
+		}
+		if _, err = readHandshakeHeader(conn, TypeAckReadyRecvFD); err != nil {
+			return nil, 0, err
+		}
+		// Exactly two descriptors, buffer first (1.4 step 5).
+		if err = shm.SendFds(uc, int(bufFile.Fd()), int(queueFile.Fd())); err != nil {
+			return nil, 0, handshakeError("send fds", err)
+		}
+	} else if _, err = conn.Write(AppendShareMemory(nil, version, TypeShareMemoryByFilePath, meta)); err != nil {
+		return nil, 0, handshakeError("send metadata", err)
+	}
+	if _, err = readHandshakeHeader(conn, TypeAckShareMemory); err != nil {
+		return nil, 0, err
+	}
+	// The server has mapped both: the names are no longer needed.
+	for _, p := range mem.remove {
+		os.Remove(p)
+	}
+	mem.remove = nil
+	return mem, version, nil
+}
+
+// readHandshakeHeader reads one header-only handshake message of type want.
+func readHandshakeHeader(conn net.Conn, want MsgType) (Header, error) {
+	var b [HeaderSize]byte
+	if _, err := io.ReadFull(conn, b[:]); err != nil {
+		return Header{}, handshakeError("read "+want.String(), err)
+	}
+	h, err := ParseHeader(b[:], HeaderSize)
+	if err != nil {
+		return Header{}, handshakeError("read "+want.String(), err)
+	}
+	if h.Type != want {
+		return Header{}, handshakeError("read "+want.String(), fmt.Errorf("%w: got %v", ErrProtocol, h.Type))
+	}
+	return h, nil
+}
+
+// serverHandshake answers a client's v2 or v3 handshake on conn, picking the
+// variant by the version byte of the first message (1.4), and maps the
+// client's buffer region and IO queue. On error nothing stays mapped or
+// open; conn is left to the caller, who must close it.
+func serverHandshake(conn net.Conn, cfg *Config) (mem *memory, version uint8, err error) {
+	// mem is only ever set on success paths below.
+	if err := conn.SetDeadline(time.Now().Add(cfg.HandshakeTimeout)); err != nil {
+		return nil, 0, handshakeError("set deadline", err)
+	}
+	defer conn.SetDeadline(time.Time{})
+
+	h, payload, err := readHandshakeMessage(conn)
+	if err != nil {
+		return nil, 0, err
+	}
+	var meta ShmMetadata
+	switch {
+	case h.Version == 2 && h.Type == TypeShareMemoryByFilePath:
+		if meta, err = ParseShmMetadata(payload); err != nil {
+			return nil, 0, handshakeError("metadata", err)
+		}
+		mem, err = mapFiles(meta, cfg)
+		return mem, 2, err
+	case h.Version >= 3 && h.Type == TypeExchangeProtoVersion:
+		version = min(h.Version, ProtocolVersion)
+	default:
+		return nil, 0, handshakeError("first message", fmt.Errorf("%w: %v version %d", ErrProtocol, h.Type, h.Version))
+	}
+	if _, err = conn.Write(AppendSimple(nil, ProtocolVersion, TypeExchangeProtoVersion)); err != nil {
+		return nil, 0, handshakeError("send version", err)
+	}
+	if h, payload, err = readHandshakeMessage(conn); err != nil {
+		return nil, 0, err
+	}
+	if h.Type != TypeShareMemoryByMemfd && h.Type != TypeShareMemoryByFilePath {
+		return nil, 0, handshakeError("metadata", fmt.Errorf("%w: got %v", ErrProtocol, h.Type))
+	}
+	if meta, err = ParseShmMetadata(payload); err != nil {
+		return nil, 0, handshakeError("metadata", err)
+	}
+	if h.Type == TypeShareMemoryByFilePath {
+		mem, err = mapFiles(meta, cfg)
+	} else {
+		mem, err = recvMemfds(conn, version)
+	}
+	if err != nil {
+		return nil, 0, err
+	}
+	if _, err = conn.Write(AppendSimple(nil, version, TypeAckShareMemory)); err != nil {
+		mem.release()
+		return nil, 0, handshakeError("send ack", err)
+	}
+	return mem, version, nil
+}
+
+// readHandshakeMessage reads one whole handshake message, bounded by
+// maxHandshakeMessage, and returns its header and payload.
+func readHandshakeMessage(conn net.Conn) (Header, []byte, error) {
+	var b [HeaderSize]byte
+	if _, err := io.ReadFull(conn, b[:]); err != nil {
+		return Header{}, nil, handshakeError("read", err)
+	}
+	h, err := ParseHeader(b[:], maxHandshakeMessage)
+	if err != nil {
+		return Header{}, nil, handshakeError("read", err)
+	}
+	payload := make([]byte, h.Length-HeaderSize)
+	if _, err := io.ReadFull(conn, payload); err != nil {
+		return Header{}, nil, handshakeError("read", err)
+	}
+	return h, payload, nil
+}
+
+// recvMemfds asks for and receives the client's [buffer, queue] memfds and
+// maps them.
+func recvMemfds(conn net.Conn, version uint8) (*memory, error) {
+	uc, ok := conn.(*net.UnixConn)
+	if !ok {
+		return nil, handshakeError("memfd", errors.New("memfd handshake over a non-Unix connection"))
+	}
+	if _, err := conn.Write(AppendSimple(nil, version, TypeAckReadyRecvFD)); err != nil {
+		return nil, handshakeError("send ready", err)
+	}
+	fds, err := shm.RecvFds(uc, 2)
+	if err != nil {
+		return nil, handshakeError("receive fds", err)
+	}
+	defer shm.CloseFd(fds[0])
+	defer shm.CloseFd(fds[1])
+	return mapShared(fds[0], fds[1])
+}
+
+// mapFiles opens and maps the files named in meta. Both must be regular
+// files directly inside cfg.ShmDir; anything else is refused before it is
+// opened.
+func mapFiles(meta ShmMetadata, cfg *Config) (*memory, error) {
+	var files [2]*os.File
+	for i, p := range []string{meta.BufferPath, meta.QueuePath} {
+		if !inDir(p, cfg.ShmDir) {
+			closeFiles(files[:])
+			return nil, handshakeError("metadata", fmt.Errorf("path %q is outside %s", p, cfg.ShmDir))
+		}
+		f, err := shm.OpenFile(p)
+		if err != nil {
+			closeFiles(files[:])
+			return nil, handshakeError("open", err)
+		}
+		files[i] = f
+	}
+	defer closeFiles(files[:])
+	return mapShared(int(files[0].Fd()), int(files[1].Fd()))
+}
+
+func closeFiles(fs []*os.File) {
+	for _, f := range fs {
+		if f != nil {
+			f.Close()
+		}
+	}
+}
+
+// inDir reports whether path names an entry directly inside dir.
+func inDir(path, dir string) bool {
+	return filepath.IsAbs(path) && filepath.Clean(path) == path &&
+		filepath.Dir(path) == dir && !strings.HasPrefix(filepath.Base(path), ".")
+}
+
+// mapShared maps a peer's buffer region and IO queue and checks their
+// layouts. A server sends on the second half of the queue (3).
+func mapShared(bufFd, queueFd int) (_ *memory, err error) {
+	mem := &memory{}
+	defer func() {
+		if err != nil {
+			mem.release()
+		}
+	}()
+	if mem.bufMem, err = shm.Map(bufFd, 0); err != nil {
+		return nil, handshakeError("map buffer", err)
+	}
+	if mem.queueMem, err = shm.Map(queueFd, 0); err != nil {
+		return nil, handshakeError("map queue", err)
+	}
+	if mem.region, err = buffer.Attach(mem.bufMem); err != nil {
+		return nil, handshakeError("buffer layout", err)
+	}
+	if mem.recv, mem.send, err = queue.AttachPair(mem.queueMem); err != nil {
+		return nil, handshakeError("queue layout", err)
+	}
+	return mem, nil
+}

@@ -1,0 +1,51 @@
+package session
+
+import "sync/atomic"
+
+// Stats is a snapshot of a session's counters since it started. Counts are
+// messages or events; bytes are payload bytes of streams.
+type Stats struct {
+	BytesSent       uint64 // stream bytes handed to the peer, both paths
+	BytesReceived   uint64 // stream bytes received from the peer, both paths
+	EventsSent      uint64 // IO-queue events put (data and close)
+	EventsReceived  uint64 // IO-queue events popped
+	WakeupsSent     uint64 // Polling messages sent
+	WakeupsReceived uint64 // Polling messages received
+	FallbackWrites  uint64 // FallbackData messages sent
+	FallbackReads   uint64 // FallbackData messages received
+	QueueFull       uint64 // puts that found the send queue full
+	ActiveStreams   int    // streams the session tracks now
+	SlicesInUse     []int  // allocated slices per buffer list, by both sides
+}
+
+// counters are the session's statistics, updated with atomics.
+type counters struct {
+	bytesSent, bytesReceived     atomic.Uint64
+	eventsSent, eventsReceived   atomic.Uint64
+	wakeupsSent, wakeupsReceived atomic.Uint64
+	fallbackWrites, fallbackRead atomic.Uint64
+	queueFull                    atomic.Uint64
+}
+
+// Stats returns a snapshot of the session's counters. SlicesInUse is nil
+// once the session's shared memory is released.
+func (s *Session) Stats() Stats {
+	st := Stats{
+		BytesSent:       s.ctr.bytesSent.Load(),
+		BytesReceived:   s.ctr.bytesReceived.Load(),
+		EventsSent:      s.ctr.eventsSent.Load(),
+		EventsReceived:  s.ctr.eventsReceived.Load(),
+		WakeupsSent:     s.ctr.wakeupsSent.Load(),
+		WakeupsReceived: s.ctr.wakeupsReceived.Load(),
+		FallbackWrites:  s.ctr.fallbackWrites.Load(),
+		FallbackReads:   s.ctr.fallbackRead.Load(),
+		QueueFull:       s.ctr.queueFull.Load(),
+		ActiveStreams:   s.NumStreams(),
+	}
+	s.memMu.RLock()
+	if s.mem != nil {
+		st.SlicesInUse = s.mem.region.InUse()
+	}
+	s.memMu.RUnlock()
+	return st
+}

@@ -1,0 +1,729 @@
+package session
+
+import (
+	"errors"
+	"io"
+	"net"
+	"runtime"
+	"sync"
+	"time"
+
+	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/queue"
+)
+
+// chunk is one received message waiting to be read: the unread part of a
+// slice chain in shared memory (off != 0), or bytes that came as
+// FallbackData (off == 0).
+type chunk struct {
+	off     uint32 // current slice, absolute offset; 0 for fallback bytes
+	data    []byte // unread bytes of the current slice, or fallback bytes
+	next    uint32 // next slice of the chain, if hasNext
+	hasNext bool
+	pinned  bool // a zero-copy view into the current slice was handed out
+	remain  int  // unread bytes of the whole message, data included
+	links   int  // slices of the chain visited so far (cycle guard)
+}
+
+// A Stream is one bidirectional byte stream of a session. It implements
+// net.Conn and adds a zero-copy API: Reserve and Flush on the write side,
+// Peek, ReadBytes, Discard and ReleasePreviousRead on the read side.
+//
+// Read and Write may be called concurrently with each other and with Close
+// and the deadline setters; concurrent Reads (or Writes) are serialized.
+type Stream struct {
+	s  *Session
+	id uint32
+
+	mu           sync.Mutex
+	recv         []chunk // FIFO from rhead
+	rhead        int
+	buffered     int      // unread bytes in recv
+	held         []uint32 // consumed slices with a zero-copy view out
+	remoteClosed bool
+	closed       bool
+	readCh       chan struct{} // cap 1: data or state arrived
+	closedCh     chan struct{} // closed by Close
+	rdl, wdl     deadline
+
+	rmu       sync.Mutex // serializes readers
+	wmu       sync.Mutex // serializes writers; guards the fields below
+	w         buffer.ChainWriter
+	pending   []byte // reserved bytes that did not fit in shared memory
+	viaSocket bool   // data went as FallbackData: keep it there (see writeSome)
+}
+
+func newStream(s *Session, id uint32) *Stream {
+	return &Stream{
+		s:        s,
+		id:       id,
+		readCh:   make(chan struct{}, 1),
+		closedCh: make(chan struct{}),
+		rdl:      makeDeadline(),
+		wdl:      makeDeadline(),
+	}
+}
+
+// ID returns the stream id (PROTOCOL.md section 4): 2, 3, 4, ... in the
+// order the client opened its streams.
+func (st *Stream) ID() uint32 { return st.id }
+
+// Session returns the session the stream belongs to.
+func (st *Stream) Session() *Session { return st.s }
+
+// LocalAddr returns the local address of the session's control connection.
+func (st *Stream) LocalAddr() net.Addr { return st.s.LocalAddr() }
+
+// RemoteAddr returns the remote address of the session's control connection.
+func (st *Stream) RemoteAddr() net.Addr { return st.s.RemoteAddr() }
+
+// SetDeadline sets both the read and the write deadline; see net.Conn.
+func (st *Stream) SetDeadline(t time.Time) error {
+	if err := st.SetReadDeadline(t); err != nil {
+		return err
+	}
+	return st.SetWriteDeadline(t)
+}
+
+// SetReadDeadline sets the time after which blocked and future reads fail
+// with a net.Error whose Timeout() is true and which unwraps to
+// os.ErrDeadlineExceeded. The zero time means no deadline. It returns
+// ErrStreamClosed after Close.
+func (st *Stream) SetReadDeadline(t time.Time) error {
+	if st.isClosed() {
+		return ErrStreamClosed
+	}
+	st.rdl.set(t)
+	return nil
+}
+
+// SetWriteDeadline is SetReadDeadline for writes, Reserve and Flush.
+func (st *Stream) SetWriteDeadline(t time.Time) error {
+	if st.isClosed() {
+		return ErrStreamClosed
+	}
+	st.wdl.set(t)
+	return nil
+}
+
+func (st *Stream) isClosed() bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.closed
+}
+
+func (st *Stream) notifyRead() {
+	select {
+	case st.readCh <- struct{}{}:
+	default:
+	}
+}
+
+// ---- receive side: called by the session's receive loop ----
+
+// pushChain queues the message whose slice chain starts at off. The chain is
+// walked and checked first: a bad offset, a cycle or a size beyond a
+// slice's cap ends the session instead of reaching the reader. The caller
+// holds memMu's read lock with the memory mapped.
+func (st *Stream) pushChain(off uint32) error {
+	region := st.s.mem.region
+	var cr buffer.ChainReader
+	if err := cr.Reset(region, off); err != nil {
+		return err
+	}
+	total := 0
+	for {
+		p, _, err := cr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return err
+		}
+		total += len(p)
+	}
+	p, next, hasNext, err := region.Payload(off)
+	if err != nil {
+		return err
+	}
+	st.mu.Lock()
+	if st.closed {
+		st.mu.Unlock()
+		_, err := region.FreeChain(off)
+		return err
+	}
+	st.s.ctr.bytesReceived.Add(uint64(total))
+	st.recv = append(st.recv, chunk{off: off, data: p, next: next, hasNext: hasNext, remain: total, links: 1})
+	st.buffered += total
+	st.mu.Unlock()
+	st.notifyRead()
+	return nil
+}
+
+// pushBytes queues data that came as FallbackData; the stream owns data.
+func (st *Stream) pushBytes(data []byte) {
+	st.mu.Lock()
+	if st.closed {
+		st.mu.Unlock()
+		return
+	}
+	st.recv = append(st.recv, chunk{data: data, remain: len(data)})
+	st.buffered += len(data)
+	st.mu.Unlock()
+	st.notifyRead()
+}
+
+// remoteClose records the peer's close: reads end with io.EOF once the data
+// already queued is read.
+func (st *Stream) remoteClose() {
+	st.mu.Lock()
+	st.remoteClosed = true
+	done := st.closed
+	st.mu.Unlock()
+	st.notifyRead()
+	if done {
+		st.s.removeStream(st, true)
+	}
+}
+
+// ---- read side ----
+
+// waitReadable blocks until at least want bytes are buffered, the stream
+// has ended, or a deadline passes. It returns with st.mu and memMu's read
+// lock held and err nil when bytes are buffered (maybe fewer than want if
+// the stream ended), and with neither held when err is non-nil. io.EOF
+// means the peer closed and nothing is left.
+func (st *Stream) waitReadable(want int) error {
+	s := st.s
+	for {
+		s.memMu.RLock()
+		st.mu.Lock()
+		if st.closed {
+			st.mu.Unlock()
+			s.memMu.RUnlock()
+			return ErrStreamClosed
+		}
+		remoteClosed := st.remoteClosed
+		ended := remoteClosed || s.mem == nil || isClosedChan(s.dead)
+		if st.buffered >= want || (ended && st.buffered > 0) {
+			if s.mem == nil { // released: nothing can be read any more
+				st.mu.Unlock()
+				s.memMu.RUnlock()
+				return s.Err()
+			}
+			return nil
+		}
+		st.mu.Unlock()
+		s.memMu.RUnlock()
+		if remoteClosed {
+			return io.EOF
+		}
+		if ended {
+			return s.Err()
+		}
+		select {
+		case <-st.rdl.wait():
+			return errDeadline
+		default:
+		}
+		select {
+		case <-st.readCh:
+		case <-s.dead:
+		case <-st.closedCh:
+		case <-st.rdl.wait():
+		}
+	}
+}
+
+// Read reads up to len(p) bytes; see net.Conn. After the peer's Close it
+// returns the data still queued, then io.EOF. It returns ErrStreamClosed
+// after Close, a deadline error (Timeout() true) after the read deadline,
+// and the session's error if the session ended first.
+func (st *Stream) Read(p []byte) (int, error) {
+	st.rmu.Lock()
+	defer st.rmu.Unlock()
+	if len(p) == 0 {
+		return 0, nil
+	}
+	if err := st.waitReadable(1); err != nil {
+		return 0, err
+	}
+	n, err := st.consumeLocked(p, len(p))
+	st.mu.Unlock()
+	st.s.memMu.RUnlock()
+	if err != nil {
+		st.s.fail(&SessionError{Op: "read", Err: err})
+	}
+	return n, nil
+}
+
+// consumeLocked moves up to n buffered bytes into p (or drops them when p
+// is nil), recycling or holding the slices it finishes. It runs with
+// memMu read-locked and st.mu held. An error means the peer corrupted a
+// chain; the bytes counted until then are valid.
+func (st *Stream) consumeLocked(p []byte, n int) (int, error) {
+	done := 0
+	for done < n && st.rhead < len(st.recv) {
+		c := &st.recv[st.rhead]
+		k := min(n-done, len(c.data))
+		if p != nil {
+			copy(p[done:], c.data[:k])
+		}
+		c.data = c.data[k:]
+		c.remain -= k
+		st.buffered -= k
+		done += k
+		if len(c.data) == 0 {
+			if err := st.advanceLocked(c); err != nil {
+				return done, err
+			}
+		}
+	}
+	return done, nil
+}
+
+// advanceLocked finishes the current slice of c and moves to the next slice
+// with bytes, or pops c at the end of its chain.
+func (st *Stream) advanceLocked(c *chunk) error {
+	region := st.s.mem.region
+	for len(c.data) == 0 {
+		if c.off != 0 {
+			if c.pinned {
+				st.held = append(st.held, c.off)
+			} else if err := region.Free(c.off); err != nil {
+				st.dropHeadLocked()
+				return err
+			}
+		}
+		if !c.hasNext || c.remain <= 0 {
+			var err error
+			if c.hasNext || c.remain != 0 {
+				// The chain changed since pushChain walked it.
+				err = buffer.ErrCorrupt
+			}
+			st.dropHeadLocked()
+			return err
+		}
+		if c.links >= st.s.maxLinks {
+			st.dropHeadLocked()
+			return buffer.ErrCorrupt
+		}
+		p, next, hasNext, err := region.Payload(c.next)
+		if err != nil {
+			st.dropHeadLocked()
+			return err
+		}
+		*c = chunk{off: c.next, data: p, next: next, hasNext: hasNext, remain: c.remain, links: c.links + 1}
+		if len(p) > c.remain {
+			c.data = p[:c.remain]
+		}
+	}
+	return nil
+}
+
+// dropHeadLocked pops the first chunk, forgetting what it had left.
+func (st *Stream) dropHeadLocked() {
+	c := &st.recv[st.rhead]
+	st.buffered -= c.remain
+	*c = chunk{}
+	st.rhead++
+	if st.rhead == len(st.recv) {
+		st.recv = st.recv[:0]
+		st.rhead = 0
+	}
+}
+
+// Peek returns the next n bytes without consuming them, waiting until they
+// have arrived. When they lie in one slice of shared memory the returned
+// slice points into it (zero copy) and stays valid until the bytes are
+// consumed and then released by ReleasePreviousRead, or until Close;
+// otherwise it is a fresh copy owned by the caller. It returns io.EOF if
+// the peer closed with no bytes left, io.ErrUnexpectedEOF if it closed with
+// fewer than n, and the errors of Read otherwise. n must be positive.
+func (st *Stream) Peek(n int) ([]byte, error) {
+	st.rmu.Lock()
+	defer st.rmu.Unlock()
+	return st.peek(n)
+}
+
+func (st *Stream) peek(n int) ([]byte, error) {
+	if n <= 0 {
+		return nil, errors.New("shmlink: Peek of a non-positive length")
+	}
+	if err := st.waitReadable(n); err != nil {
+		return nil, err
+	}
+	defer st.s.memMu.RUnlock()
+	defer st.mu.Unlock()
+	if st.buffered < n {
+		return nil, io.ErrUnexpectedEOF
+	}
+	c := &st.recv[st.rhead]
+	if len(c.data) >= n {
+		if c.off != 0 {
+			c.pinned = true
+		}
+		return c.data[:n:n], nil
+	}
+	out := make([]byte, 0, n)
+	region := st.s.mem.region
+	for i := st.rhead; len(out) < n && i < len(st.recv); i++ {
+		c := st.recv[i]
+		out = append(out, c.data[:min(len(c.data), n-len(out))]...)
+		left, next, hasNext, links := c.remain-len(c.data), c.next, c.hasNext, c.links
+		for len(out) < n && hasNext && left > 0 && links < st.s.maxLinks {
+			p, nx, hn, err := region.Payload(next)
+			if err != nil {
+				break
+			}
+			p = p[:min(len(p), left)]
+			out = append(out, p[:min(len(p), n-len(out))]...)
+			left -= len(p)
+			next, hasNext, links = nx, hn, links+1
+		}
+	}
+	if len(out) < n {
+		st.s.fail(&SessionError{Op: "read", Err: buffer.ErrCorrupt})
+		return nil, io.ErrUnexpectedEOF
+	}
+	return out, nil
+}
+
+// ReadBytes consumes and returns the next n bytes, waiting until they have
+// arrived. Like Peek, the result points into shared memory when the bytes
+// lie in one slice; those slices are recycled only by ReleasePreviousRead
+// (or Close), so the result stays valid until then. Errors are Peek's.
+func (st *Stream) ReadBytes(n int) ([]byte, error) {
+	st.rmu.Lock()
+	defer st.rmu.Unlock()
+	b, err := st.peek(n)
+	if err != nil {
+		return nil, err
+	}
+	_, err = st.discard(n)
+	return b, err
+}
+
+// Discard skips the next n bytes, waiting until they have arrived, and
+// returns how many it skipped: fewer than n only with an error (io.EOF if
+// the peer closed first, or Read's errors).
+func (st *Stream) Discard(n int) (int, error) {
+	st.rmu.Lock()
+	defer st.rmu.Unlock()
+	return st.discard(n)
+}
+
+func (st *Stream) discard(n int) (int, error) {
+	done := 0
+	for done < n {
+		if err := st.waitReadable(1); err != nil {
+			return done, err
+		}
+		k, err := st.consumeLocked(nil, n-done)
+		st.mu.Unlock()
+		st.s.memMu.RUnlock()
+		done += k
+		if err != nil {
+			st.s.fail(&SessionError{Op: "read", Err: err})
+			return done, st.s.Err()
+		}
+	}
+	return done, nil
+}
+
+// ReleasePreviousRead recycles the slices behind zero-copy results of Peek
+// and ReadBytes whose bytes have been consumed. Those results must not be
+// used afterwards.
+func (st *Stream) ReleasePreviousRead() {
+	s := st.s
+	s.memMu.RLock()
+	defer s.memMu.RUnlock()
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if s.mem == nil {
+		st.held = st.held[:0]
+		return
+	}
+	st.releaseHeldLocked()
+}
+
+func (st *Stream) releaseHeldLocked() {
+	for _, off := range st.held {
+		if err := st.s.mem.region.Free(off); err != nil {
+			go st.s.fail(&SessionError{Op: "release", Err: err})
+			break
+		}
+	}
+	st.held = st.held[:0]
+}
+
+// Buffered returns the number of bytes that can be read without waiting.
+func (st *Stream) Buffered() int {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.buffered
+}
+
+// ---- write side ----
+
+// Write writes p to the stream; see net.Conn. Data goes into slices of
+// shared memory, one event per chain of up to 4 MiB, and as FallbackData
+// over the control connection when shared memory is exhausted. It returns
+// ErrStreamClosed after Close, a deadline error (Timeout() true) after the
+// write deadline, ErrQueueFull if the peer leaves the IO queue full for
+// Config.QueueFullTimeout, and the session's error if it ended. Bytes
+// counted in n were handed to the peer.
+func (st *Stream) Write(p []byte) (int, error) {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	if err := st.flushLocked(); err != nil {
+		return 0, err
+	}
+	n := 0
+	for n < len(p) {
+		k, err := st.writeSome(p[n:])
+		n += k
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// writeCheck returns why a write cannot go on, or nil.
+func (st *Stream) writeCheck() error {
+	if st.isClosed() {
+		return ErrStreamClosed
+	}
+	select {
+	case <-st.wdl.wait():
+		return errDeadline
+	default:
+	}
+	return st.s.Err()
+}
+
+// writeSome sends a prefix of p and returns its length.
+//
+// Once a stream has sent FallbackData it keeps sending over the control
+// connection: an event put after a FallbackData could otherwise be drained
+// by the peer before it reads that FallbackData from the socket, reordering
+// the stream's bytes.
+func (st *Stream) writeSome(p []byte) (int, error) {
+	if err := st.writeCheck(); err != nil {
+		return 0, err
+	}
+	s := st.s
+	if !st.viaSocket {
+		s.memMu.RLock()
+		if s.mem == nil {
+			s.memMu.RUnlock()
+			return 0, s.Err()
+		}
+		st.w.Reset(s.mem.region)
+		k, err := st.w.Write(p[:min(len(p), maxEventBytes)])
+		for tries := 0; k == 0 && errors.Is(err, buffer.ErrNoSpace) && tries < 32; tries++ {
+			// Shared memory is full: give the reader a moment to recycle.
+			s.memMu.RUnlock()
+			runtime.Gosched()
+			s.memMu.RLock()
+			if s.mem == nil {
+				s.memMu.RUnlock()
+				return 0, s.Err()
+			}
+			k, err = st.w.Write(p[:min(len(p), maxEventBytes)])
+		}
+		if k > 0 {
+			err = st.publishLocked()
+			s.memMu.RUnlock()
+			if err != nil {
+				return 0, err
+			}
+			return k, nil
+		}
+		s.memMu.RUnlock()
+		if !errors.Is(err, buffer.ErrNoSpace) {
+			s.fail(&SessionError{Op: "write", Err: err})
+			return 0, s.Err()
+		}
+		st.viaSocket = true
+	}
+	k := min(len(p), maxFallbackChunk)
+	if err := s.writeFallback(st.id, p[:k]); err != nil {
+		return 0, err
+	}
+	return k, nil
+}
+
+// publishLocked finishes the chain in st.w and puts its event. On failure
+// the chain is recycled. The caller holds wmu and memMu's read lock with
+// the memory mapped.
+func (st *Stream) publishLocked() error {
+	head, size := st.w.Finish()
+	if size == 0 {
+		return nil
+	}
+	err := st.s.putEvent(queue.Event{StreamID: st.id, Offset: head, Status: stateOpen}, st.closedCh, st.wdl.wait())
+	if err != nil {
+		st.s.mem.region.FreeChain(head)
+		return err
+	}
+	st.s.ctr.bytesSent.Add(uint64(size))
+	return nil
+}
+
+// Reserve returns n contiguous bytes to fill in place; they are sent, after
+// any bytes reserved before, by the next Flush or Write. The memory lies in
+// a slice of shared memory (zero copy) when one is free, and on the heap
+// otherwise; either way it belongs to the stream and must not be used after
+// that Flush, Write or Close. Errors are Write's; n must be in
+// [1, Session's largest slice size].
+func (st *Stream) Reserve(n int) ([]byte, error) {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	if err := st.writeCheck(); err != nil {
+		return nil, err
+	}
+	if n <= 0 {
+		return nil, errors.New("shmlink: Reserve of a non-positive length")
+	}
+	s := st.s
+	if !st.viaSocket && len(st.pending) == 0 {
+		s.memMu.RLock()
+		if s.mem == nil {
+			s.memMu.RUnlock()
+			return nil, s.Err()
+		}
+		if st.w.Len() == 0 {
+			st.w.Reset(s.mem.region)
+		}
+		b, err := st.w.Reserve(n)
+		s.memMu.RUnlock()
+		if err == nil {
+			return b, nil
+		}
+		if !errors.Is(err, buffer.ErrNoSpace) {
+			return nil, err
+		}
+	}
+	start := len(st.pending)
+	st.pending = append(st.pending, make([]byte, n)...)
+	return st.pending[start : start+n : start+n], nil
+}
+
+// Flush sends every byte reserved since the last Flush or Write. Errors are
+// Write's.
+func (st *Stream) Flush() error {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	return st.flushLocked()
+}
+
+func (st *Stream) flushLocked() error {
+	if st.w.Len() == 0 && len(st.pending) == 0 {
+		return nil
+	}
+	if err := st.writeCheck(); err != nil {
+		st.abortLocked()
+		return err
+	}
+	s := st.s
+	if st.w.Len() > 0 {
+		s.memMu.RLock()
+		if s.mem == nil {
+			s.memMu.RUnlock()
+			st.w = buffer.ChainWriter{}
+			st.pending = st.pending[:0]
+			return s.Err()
+		}
+		err := st.publishLocked()
+		s.memMu.RUnlock()
+		if err != nil {
+			st.pending = st.pending[:0]
+			return err
+		}
+	}
+	for len(st.pending) > 0 {
+		st.viaSocket = true
+		k := min(len(st.pending), maxFallbackChunk)
+		if err := s.writeFallback(st.id, st.pending[:k]); err != nil {
+			st.pending = st.pending[:0]
+			return err
+		}
+		st.pending = st.pending[k:]
+	}
+	st.pending = nil
+	return nil
+}
+
+// abortLocked drops reserved bytes, recycling their slices.
+func (st *Stream) abortLocked() {
+	st.pending = nil
+	if st.w.Len() == 0 {
+		return
+	}
+	s := st.s
+	s.memMu.RLock()
+	if s.mem != nil {
+		st.w.Abort()
+	}
+	s.memMu.RUnlock()
+	st.w = buffer.ChainWriter{}
+}
+
+// Close closes the stream: the peer reads io.EOF after the data already
+// sent, blocked calls on this stream return ErrStreamClosed, bytes not yet
+// read are dropped (their slices recycled), and reserved bytes not yet
+// flushed are discarded. Zero-copy results become invalid. Close returns
+// nil, also when called again.
+func (st *Stream) Close() error {
+	st.mu.Lock()
+	if st.closed {
+		st.mu.Unlock()
+		return nil
+	}
+	st.closed = true
+	close(st.closedCh)
+	st.mu.Unlock()
+	st.rdl.stop()
+	st.wdl.stop()
+
+	st.wmu.Lock()
+	st.abortLocked()
+	viaSocket := st.viaSocket
+	st.wmu.Unlock()
+
+	s := st.s
+	s.memMu.RLock()
+	st.mu.Lock()
+	if s.mem != nil {
+		region := s.mem.region
+		for i := st.rhead; i < len(st.recv); i++ {
+			// Errors mean the peer corrupted its own chains; there is
+			// nothing left to read from them, so they are ignored here.
+			if c := st.recv[i]; c.off != 0 {
+				if c.pinned {
+					st.held = append(st.held, c.off)
+				} else {
+					region.Free(c.off)
+				}
+				if c.hasNext {
+					region.FreeChain(c.next)
+				}
+			}
+		}
+		st.releaseHeldLocked()
+	}
+	st.recv, st.rhead, st.buffered, st.held = nil, 0, 0, nil
+	remoteClosed := st.remoteClosed
+	st.mu.Unlock()
+	alive := s.mem != nil && s.Err() == nil
+	if alive {
+		s.sendCloseLocked(st.id, viaSocket)
+	}
+	s.memMu.RUnlock()
+	if remoteClosed || !alive {
+		s.removeStream(st, false)
+	}
+	return nil
+}
