@@ -1,0 +1,145 @@
+package shmlink_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shmlink/shmlink"
+	"github.com/stretchr/testify/require"
+)
+
+// resources counts what a process can leak: goroutines, open descriptors
+// and files in the shared-memory directories named by this process's pid.
+type resources struct {
+	goroutines int
+	fds        int
+	shmFiles   []string
+}
+
+func snapshot(t *testing.T, dirs ...string) resources {
+	fds, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	r := resources{goroutines: runtime.NumGoroutine(), fds: len(fds)}
+	prefix := fmt.Sprintf("shmlink_%d_", os.Getpid())
+	for _, dir := range append(dirs, "/dev/shm") {
+		entries, _ := os.ReadDir(dir)
+		for _, e := range entries {
+			if strings.HasPrefix(e.Name(), prefix) {
+				r.shmFiles = append(r.shmFiles, filepath.Join(dir, e.Name()))
+			}
+		}
+	}
+	return r
+}
+
+// requireNoLeaks waits until goroutines and descriptors are back to base:
+// goroutines and descriptors of closed sessions end asynchronously (the
+// runtime's own goroutines settle too), so this polls for up to 5 s; it
+// never passes on time alone.
+func requireNoLeaks(t *testing.T, base resources, dirs ...string) {
+	t.Helper()
+	var now resources
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		now = snapshot(t, dirs...)
+		if now.goroutines <= base.goroutines && now.fds <= base.fds && len(now.shmFiles) == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			break
+		}
+		runtime.Gosched()
+		time.Sleep(10 * time.Millisecond)
+	}
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	t.Fatalf("leak: goroutines %d -> %d, fds %d -> %d, shm files %v\n%s",
+		base.goroutines, now.goroutines, base.fds, now.fds, now.shmFiles, buf)
+}
+
+// Both sides in one process, so that the checks see both: after Close on
+// both sides no goroutine, descriptor or shared-memory file is left.
+func TestCloseLeavesNothing(t *testing.T) {
+	for _, tr := range transports {
+		t.Run(tr.name, func(t *testing.T) {
+			dir := t.TempDir()
+			addr := "127.0.0.1:0"
+			if tr.network == "unix" {
+				addr = filepath.Join(dir, "s.sock")
+			}
+			base := snapshot(t, dir)
+			cfg := &shmlink.Config{ShmDir: dir, MemoryType: tr.memory}
+			lc := shmlink.ListenConfig{Config: cfg}
+			ln, err := lc.Listen(context.Background(), tr.network, addr)
+			require.NoError(t, err)
+			var served sync.WaitGroup
+			served.Add(1)
+			go func() {
+				defer served.Done()
+				for {
+					c, err := ln.Accept()
+					if err != nil {
+						return
+					}
+					go func() {
+						defer c.Close()
+						serveStream(c)
+					}()
+				}
+			}()
+			d := &shmlink.Dialer{Config: cfg}
+			for i, n := range []int{10, 200 << 10, 2 << 20} {
+				c, err := d.Dial(tr.network, ln.Addr().String())
+				require.NoError(t, err)
+				command(t, c, cmdEcho, 0)
+				require.NoError(t, echo(c, n, uint64(i)))
+				require.NoError(t, c.Close())
+			}
+			// A stream left open is closed by the Dialer's Close.
+			c, err := d.Dial(tr.network, ln.Addr().String())
+			require.NoError(t, err)
+			command(t, c, cmdEcho, 0)
+			require.NoError(t, d.Close())
+			_, err = c.Write([]byte("x"))
+			require.ErrorIs(t, err, net.ErrClosed)
+			require.NoError(t, ln.Close())
+			served.Wait()
+			requireNoLeaks(t, base, dir)
+		})
+	}
+}
+
+// A package-level Dial owns its session: closing the stream ends it.
+func TestDialOwnsSession(t *testing.T) {
+	dir := t.TempDir()
+	ln, err := shmlink.Listen("unix", filepath.Join(dir, "s.sock"))
+	require.NoError(t, err)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				serveStream(c)
+			}()
+		}
+	}()
+	base := snapshot(t)
+	c, err := shmlink.Dial("unix", ln.Addr().String())
+	require.NoError(t, err)
+	command(t, c, cmdEcho, 0)
+	require.NoError(t, echo(c, 70000, 7))
+	require.NoError(t, c.Close())
+	requireNoLeaks(t, base)
+	require.NoError(t, ln.Close())
+}

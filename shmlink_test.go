@@ -1,0 +1,188 @@
+package shmlink_test
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"testing"
+
+	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/session"
+	"github.com/stretchr/testify/require"
+)
+
+// command writes the 9-byte command header of the test server.
+func command(t testing.TB, c net.Conn, cmd byte, arg uint64) {
+	var hdr [9]byte
+	hdr[0] = cmd
+	binary.BigEndian.PutUint64(hdr[1:], arg)
+	_, err := c.Write(hdr[:])
+	require.NoError(t, err)
+}
+
+// echo sends n bytes of pattern(seed) through an echo stream, reading the
+// echo concurrently, and checks every byte and the final EOF.
+func echo(c net.Conn, n int, seed uint64) error {
+	errc := make(chan error, 1)
+	go func() {
+		buf := make([]byte, 64<<10)
+		for off := 0; off < n; off += len(buf) {
+			b := buf[:min(len(buf), n-off)]
+			pattern(b, seed, off)
+			if _, err := c.Write(b); err != nil {
+				errc <- fmt.Errorf("write at %d: %w", off, err)
+				return
+			}
+		}
+		errc <- nil
+	}()
+	buf := make([]byte, 256<<10)
+	got := 0
+	for got < n {
+		k, err := c.Read(buf[:min(len(buf), n-got)])
+		if err := checkPattern(buf[:k], seed, got); err != nil {
+			return err
+		}
+		got += k
+		if err != nil {
+			return fmt.Errorf("read after %d of %d bytes: %w", got, n, err)
+		}
+	}
+	return <-errc
+}
+
+var sizes = []int{1, 100, 8172, 8173, 32748, 65536, 131052, 131053, 1 << 20, 4 << 20, 8 << 20}
+
+func TestTwoProcessExchange(t *testing.T) {
+	for _, tr := range transports {
+		t.Run(tr.name, func(t *testing.T) {
+			p := startPeer(t, tr)
+			d := p.dialer(t, tr, shmlink.Config{})
+			for _, n := range sizes {
+				t.Run(fmt.Sprint(n), func(t *testing.T) {
+					c, err := d.Dial(tr.network, p.addr)
+					require.NoError(t, err)
+					defer c.Close()
+					command(t, c, cmdEcho, 0)
+					require.NoError(t, echo(c, n, uint64(n)))
+				})
+			}
+			require.Equal(t, 1, d.NumSessions(), "one session serves every stream")
+		})
+	}
+}
+
+func TestTwoProcessEOFAfterClose(t *testing.T) {
+	for _, tr := range transports {
+		t.Run(tr.name, func(t *testing.T) {
+			p := startPeer(t, tr)
+			d := p.dialer(t, tr, shmlink.Config{})
+			for _, n := range []int{0, 1, 8173, 1 << 20, 5 << 20} {
+				c, err := d.Dial(tr.network, p.addr)
+				require.NoError(t, err)
+				command(t, c, cmdGenerate, uint64(n))
+				// The server writes and closes at once: every byte must still
+				// arrive before EOF.
+				got, err := io.ReadAll(c)
+				require.NoError(t, err)
+				require.Len(t, got, n)
+				require.NoError(t, checkPattern(got, uint64(n), 0))
+				k, err := c.Read(make([]byte, 1))
+				require.Equal(t, 0, k)
+				require.ErrorIs(t, err, io.EOF)
+				require.NoError(t, c.Close())
+			}
+		})
+	}
+}
+
+func TestTwoProcessConcurrentStreams(t *testing.T) {
+	const streams = 1000
+	for _, tr := range transports {
+		t.Run(tr.name, func(t *testing.T) {
+			p := startPeer(t, tr)
+			d := p.dialer(t, tr, shmlink.Config{})
+			var wg sync.WaitGroup
+			errs := make(chan error, streams)
+			for i := range streams {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					c, err := d.Dial(tr.network, p.addr)
+					if err != nil {
+						errs <- err
+						return
+					}
+					defer c.Close()
+					var hdr [9]byte
+					hdr[0] = cmdEcho
+					if _, err := c.Write(hdr[:]); err != nil {
+						errs <- err
+						return
+					}
+					n := 1 + rand.IntN(16<<10)
+					if err := echo(c, n, uint64(i)<<32|uint64(n)); err != nil {
+						errs <- fmt.Errorf("stream %d (%d bytes): %w", i, n, err)
+					}
+				}()
+			}
+			wg.Wait()
+			close(errs)
+			for err := range errs {
+				t.Error(err)
+			}
+			require.Equal(t, 1, d.NumSessions())
+		})
+	}
+}
+
+// A region too small for the traffic forces FallbackData; the bytes must
+// still arrive intact and in order.
+func TestTwoProcessFallback(t *testing.T) {
+	for _, tr := range transports {
+		t.Run(tr.name, func(t *testing.T) {
+			p := startPeer(t, tr)
+			cfg := shmlink.Config{
+				BufferSize:  64 << 10,
+				SizeClasses: []buffer.SizeClass{{SliceSize: 4076, Percent: 100}},
+				MemoryType:  tr.memory,
+				ShmDir:      p.shmDir,
+			}
+			conn, err := net.Dial(tr.network, p.addr)
+			require.NoError(t, err)
+			s, err := session.Client(conn, &cfg)
+			require.NoError(t, err)
+			defer s.Close()
+			for _, n := range []int{100, 300 << 10, 3 << 20} {
+				c, err := s.OpenStream(context.Background())
+				require.NoError(t, err)
+				command(t, c, cmdEcho, 0)
+				require.NoError(t, echo(c, n, uint64(n)))
+				require.NoError(t, c.Close())
+			}
+			st := s.Stats()
+			require.NotZero(t, st.FallbackWrites, "the client never fell back: %+v", st)
+			require.NotZero(t, st.FallbackReads, "the server never fell back: %+v", st)
+		})
+	}
+}
+
+func TestDialErrors(t *testing.T) {
+	_, err := shmlink.Dial("udp", "127.0.0.1:1")
+	require.ErrorIs(t, err, shmlink.ErrNetwork)
+	_, err = shmlink.Listen("ip", "x")
+	require.ErrorIs(t, err, shmlink.ErrNetwork)
+	_, err = shmlink.Dial("unix", t.TempDir()+"/nothing.sock")
+	require.Error(t, err)
+	lc := shmlink.ListenConfig{Config: &shmlink.Config{BufferSize: -1}}
+	_, err = lc.Listen(context.Background(), "unix", t.TempDir()+"/x.sock")
+	var ce *session.ConfigError
+	require.True(t, errors.As(err, &ce), "got %v", err)
+	require.Equal(t, "BufferSize", ce.Field)
+}
