@@ -138,17 +138,18 @@ func TestBadRuntimeMessage(t *testing.T) {
 	cases := []struct {
 		name string
 		send []byte
+		why  string // what the server must log
 	}{
-		{"garbage", bytes.Repeat([]byte{0xde, 0xad, 0xbe, 0xef}, 8)},
-		{"hot restart to a server", append(header(16, 2, 8), make([]byte, 8)...)},
-		{"short fallback", append(header(12, 2, 3), 0, 0, 0, 2)},
-		{"fallback below header", header(4, 2, 3)},
-		{"over-long", header(1<<31, 2, 3)},
-		{"unknown type", header(8, 2, 10)},
-		{"handshake type", header(8, 2, 4)},
-		{"polling with payload", append(header(9, 2, 1), 0)},
-		{"truncated fallback", append(header(100, 2, 3), make([]byte, 20)...)},
-		{"bad stream status", append(append(header(20, 2, 3), 0, 0, 0, 2, 0, 0, 0, 7), "data"...)},
+		{"garbage", bytes.Repeat([]byte{0xde, 0xad, 0xbe, 0xef}, 8), "magic: 0xdead"},
+		{"hot restart to a server", append(header(16, 2, 8), make([]byte, 8)...), "HotRestart sent to a server"},
+		{"short fallback", append(header(12, 2, 3), 0, 0, 0, 2), "FallbackData of 12 bytes"},
+		{"fallback below header", header(4, 2, 3), "FallbackData of 4 bytes"},
+		{"over-long", header(1<<31, 2, 3), "exceeds the limit"},
+		{"unknown type", header(8, 2, 10), "type: 10"},
+		{"handshake type", header(8, 2, 4), "ExchangeProtoVersion after the handshake"},
+		{"polling with payload", append(header(9, 2, 1), 0), "Polling of 9 bytes"},
+		{"truncated fallback", append(header(100, 2, 3), make([]byte, 20)...), "unexpected EOF"},
+		{"bad stream status", append(append(header(20, 2, 3), 0, 0, 0, 2, 0, 0, 0, 7), "data"...), "status 0x7"},
 	}
 	for _, network := range []string{"unix", "tcp"} {
 		log := &logBuffer{}
@@ -174,7 +175,7 @@ func TestBadRuntimeMessage(t *testing.T) {
 					t.Fatal("the server kept the session")
 				}
 				require.ErrorIs(t, s.Err(), session.ErrPeerClosed)
-				require.Eventually(t, func() bool { return bytes.Contains([]byte(log.String()), []byte("session ended")) },
+				require.Eventually(t, func() bool { return bytes.Contains([]byte(log.String()), []byte(tc.why)) },
 					5*time.Second, time.Millisecond, "log: %s", log.String())
 				requireServes(t, ln, network, cfg)
 			})

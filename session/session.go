@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/shmlink/shmlink/buffer"
 	"github.com/shmlink/shmlink/queue"
 )
 
@@ -256,7 +257,10 @@ func (s *Session) fail(err error) {
 			sts = append(sts, st)
 		}
 		s.mu.Unlock()
-		if !errors.Is(err, net.ErrClosed) {
+		switch {
+		case errors.Is(err, ErrProtocol) || errors.Is(err, buffer.ErrCorrupt) || errors.Is(err, queue.ErrCorrupt):
+			s.cfg.Logger.Warn("shmlink: session ended", "remote", s.conn.RemoteAddr(), "err", err)
+		case !errors.Is(err, net.ErrClosed):
 			s.cfg.Logger.Debug("shmlink: session ended", "remote", s.conn.RemoteAddr(), "err", err)
 		}
 		close(s.dead)

@@ -1,0 +1,113 @@
+//go:build linux
+
+package shm
+
+import (
+	"errors"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+func cloexec(t *testing.T, fd int) bool {
+	flags, err := unix.FcntlInt(uintptr(fd), unix.F_GETFD, 0)
+	require.NoError(t, err)
+	return flags&unix.FD_CLOEXEC != 0
+}
+
+func TestCreateMemfd(t *testing.T) {
+	f, err := CreateMemfd("shmlink-test", 1<<20)
+	require.NoError(t, err)
+	defer f.Close()
+	fd := int(f.Fd())
+	require.True(t, cloexec(t, fd))
+	size, err := Size(fd)
+	require.NoError(t, err)
+	require.Equal(t, 1<<20, size)
+	// Sealed: nobody holding the fd can shrink it under a mapping.
+	require.Error(t, unix.Ftruncate(fd, 4096))
+	mem, err := Map(fd, 1<<20)
+	require.NoError(t, err)
+	mem[len(mem)-1] = 7
+	require.NoError(t, Unmap(mem))
+	_, err = Map(fd, 4096)
+	require.ErrorIs(t, err, ErrBadSize)
+	_, err = CreateMemfd("x", 0)
+	require.ErrorIs(t, err, ErrBadSize)
+}
+
+func TestCreateFile(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "region")
+	f, err := CreateFile(p, 8192)
+	require.NoError(t, err)
+	defer f.Close()
+	fi, err := os.Stat(p)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+	require.EqualValues(t, 8192, fi.Size())
+	require.True(t, cloexec(t, int(f.Fd())))
+	_, err = CreateFile(p, 8192)
+	require.ErrorIs(t, err, fs.ErrExist, "O_EXCL: an existing path is never reused")
+
+	g, err := OpenFile(p)
+	require.NoError(t, err)
+	require.True(t, cloexec(t, int(g.Fd())))
+	g.Close()
+	link := p + ".link"
+	require.NoError(t, os.Symlink(p, link))
+	_, err = OpenFile(link)
+	require.Error(t, err, "symlinks are not followed")
+	_, err = OpenFile(t.TempDir())
+	require.Error(t, err)
+	_, err = OpenFile("/dev/null")
+	require.ErrorIs(t, err, ErrNotRegular)
+}
+
+func TestSendRecvFds(t *testing.T) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	require.NoError(t, err)
+	conns := make([]*net.UnixConn, 2)
+	for i, fd := range fds {
+		f := os.NewFile(uintptr(fd), "sp")
+		c, err := net.FileConn(f)
+		f.Close()
+		require.NoError(t, err)
+		defer c.Close()
+		conns[i] = c.(*net.UnixConn)
+	}
+	a, err := CreateMemfd("a", 4096)
+	require.NoError(t, err)
+	defer a.Close()
+	b, err := CreateMemfd("b", 8192)
+	require.NoError(t, err)
+	defer b.Close()
+
+	require.NoError(t, SendFds(conns[0], int(a.Fd()), int(b.Fd())))
+	got, err := RecvFds(conns[1], 2)
+	require.NoError(t, err)
+	for i, want := range []int{4096, 8192} {
+		size, err := Size(got[i])
+		require.NoError(t, err)
+		require.Equal(t, want, size, "order is kept")
+		require.True(t, cloexec(t, got[i]))
+		CloseFd(got[i])
+	}
+
+	// The wrong count is refused and what arrived is closed, not leaked.
+	before := openFds(t)
+	require.NoError(t, SendFds(conns[0], int(a.Fd()), int(a.Fd()), int(a.Fd())))
+	_, err = RecvFds(conns[1], 2)
+	require.True(t, errors.Is(err, ErrBadRights), "got %v", err)
+	require.Equal(t, before, openFds(t))
+}
+
+func openFds(t *testing.T) int {
+	entries, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	return len(entries)
+}

@@ -1,0 +1,248 @@
+package session
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/stretchr/testify/require"
+)
+
+// pair returns a connected client and server session in this process, over
+// a Unix socketpair with memfds (v3), closed when the test ends.
+func pair(t *testing.T, cfg *Config) (client, server *Session) {
+	t.Helper()
+	cc, sc := socketPair(t)
+	type result struct {
+		s   *Session
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		s, err := Server(sc, cfg)
+		done <- result{s, err}
+	}()
+	client, err := Client(cc, cfg)
+	require.NoError(t, err)
+	r := <-done
+	require.NoError(t, r.err)
+	t.Cleanup(func() {
+		client.Close()
+		r.s.Close()
+	})
+	return client, r.s
+}
+
+// streamPair opens a stream on client and accepts it on server; the first
+// write announces it, so it writes and reads one byte.
+func streamPair(t *testing.T, client, server *Session) (*Stream, *Stream) {
+	t.Helper()
+	ctx := context.Background()
+	c, err := client.OpenStream(ctx)
+	require.NoError(t, err)
+	_, err = c.Write([]byte{'!'})
+	require.NoError(t, err)
+	s, err := server.AcceptStream(ctx)
+	require.NoError(t, err)
+	b := make([]byte, 1)
+	_, err = io.ReadFull(s, b)
+	require.NoError(t, err)
+	return c, s
+}
+
+func TestZeroCopy(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+	require.EqualValues(t, 2, c.ID(), "the client's first stream is 2")
+
+	// Reserve two blocks, fill them in place, flush once.
+	a, err := c.Reserve(5000)
+	require.NoError(t, err)
+	b, err := c.Reserve(3000)
+	require.NoError(t, err)
+	for i := range a {
+		a[i] = byte(i)
+	}
+	for i := range b {
+		b[i] = byte(i * 3)
+	}
+	require.NoError(t, c.Flush())
+
+	// Peek does not consume; ReadBytes does; both point into shared memory
+	// when the bytes lie in one slice.
+	p, err := s.Peek(100)
+	require.NoError(t, err)
+	require.Equal(t, a[:100], p)
+	got, err := s.ReadBytes(5000)
+	require.NoError(t, err)
+	require.Equal(t, a, got)
+	require.True(t, inMapping(server, got), "ReadBytes of one slice is zero-copy")
+	n, err := s.Discard(1000)
+	require.NoError(t, err)
+	require.Equal(t, 1000, n)
+	rest := make([]byte, 2000)
+	_, err = io.ReadFull(s, rest)
+	require.NoError(t, err)
+	require.Equal(t, b[1000:], rest)
+	inUse := sum(server.Stats().SlicesInUse)
+	s.ReleasePreviousRead()
+	require.Less(t, sum(server.Stats().SlicesInUse), inUse, "release recycles the held slices")
+
+	// A read across two events is a copy owned by the caller.
+	_, err = c.Write(make([]byte, 10))
+	require.NoError(t, err)
+	_, err = c.Write([]byte{1, 2, 3})
+	require.NoError(t, err)
+	got, err = s.ReadBytes(13)
+	require.NoError(t, err)
+	require.Equal(t, []byte{1, 2, 3}, got[10:])
+	require.False(t, inMapping(server, got))
+
+	// Peek past a close returns what the stream ended with.
+	_, err = c.Write([]byte("abc"))
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
+	_, err = s.Peek(4)
+	require.ErrorIs(t, err, io.ErrUnexpectedEOF)
+	got, err = s.ReadBytes(3)
+	require.NoError(t, err)
+	require.Equal(t, "abc", string(got))
+	_, err = s.ReadBytes(1)
+	require.ErrorIs(t, err, io.EOF)
+	s.ReleasePreviousRead()
+	require.NoError(t, s.Close())
+	require.Zero(t, sum(server.Stats().SlicesInUse), "every slice recycled")
+}
+
+func sum(xs []int) int {
+	n := 0
+	for _, x := range xs {
+		n += x
+	}
+	return n
+}
+
+// inMapping reports whether b lies inside s's buffer mapping.
+func inMapping(s *Session, b []byte) bool {
+	s.memMu.RLock()
+	defer s.memMu.RUnlock()
+	m := s.mem.bufMem
+	lo, hi := uintptr(unsafe.Pointer(&m[0])), uintptr(unsafe.Pointer(&m[len(m)-1]))
+	p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	return len(b) > 0 && p >= lo && p+uintptr(len(b))-1 <= hi
+}
+
+func TestDeadlines(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+
+	// A deadline set while Read is blocked wakes it.
+	errc := make(chan error, 1)
+	go func() {
+		_, err := s.Read(make([]byte, 1))
+		errc <- err
+	}()
+	require.NoError(t, s.SetReadDeadline(time.Now().Add(20*time.Millisecond)))
+	err := <-errc
+	var ne net.Error
+	require.True(t, errors.As(err, &ne) && ne.Timeout(), "got %v", err)
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+
+	// Clearing it makes reads work again.
+	require.NoError(t, s.SetReadDeadline(time.Time{}))
+	_, err = c.Write([]byte("x"))
+	require.NoError(t, err)
+	b := make([]byte, 1)
+	_, err = s.Read(b)
+	require.NoError(t, err)
+
+	// A past write deadline fails writes at once.
+	require.NoError(t, c.SetWriteDeadline(time.Now().Add(-time.Second)))
+	_, err = c.Write([]byte("x"))
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+
+	// Close wakes a blocked Read with net.ErrClosed.
+	go func() {
+		_, err := s.Read(make([]byte, 1))
+		errc <- err
+	}()
+	require.NoError(t, s.Close())
+	require.ErrorIs(t, <-errc, net.ErrClosed)
+	_, err = s.Write([]byte("x"))
+	require.ErrorIs(t, err, net.ErrClosed)
+}
+
+// Closing the session wakes every blocked call and fails later ones with
+// net.ErrClosed; the peer's streams end with an error, not silently.
+func TestSessionClose(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+	errc := make(chan error, 1)
+	go func() {
+		_, err := c.Read(make([]byte, 1))
+		errc <- err
+	}()
+	require.NoError(t, client.Close())
+	require.ErrorIs(t, <-errc, net.ErrClosed)
+	_, err := client.OpenStream(context.Background())
+	require.ErrorIs(t, err, net.ErrClosed)
+	_, err = s.Read(make([]byte, 1))
+	require.ErrorIs(t, err, ErrPeerClosed)
+	<-server.Done()
+	_, err = server.AcceptStream(context.Background())
+	require.ErrorIs(t, err, ErrPeerClosed)
+	require.NoError(t, s.Close())
+	require.Nil(t, server.Stats().SlicesInUse, "released with its last stream")
+}
+
+// Data written just before a close, and before the whole session ends,
+// is still delivered (PROTOCOL.md section 7: peers drop it).
+func TestDataBeforeSessionEnd(t *testing.T) {
+	client, server := pair(t, nil)
+	ctx := context.Background()
+	c, err := client.OpenStream(ctx)
+	require.NoError(t, err)
+	msg := make([]byte, 300<<10)
+	for i := range msg {
+		msg[i] = byte(i % 251)
+	}
+	_, err = c.Write(msg)
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
+	require.NoError(t, client.Close())
+	s, err := server.AcceptStream(ctx)
+	require.NoError(t, err)
+	got, err := io.ReadAll(s)
+	require.NoError(t, err)
+	require.Equal(t, msg, got)
+	require.NoError(t, s.Close())
+}
+
+func TestConfigValidate(t *testing.T) {
+	cases := []struct {
+		cfg   Config
+		field string
+	}{
+		{Config{BufferSize: -1}, "BufferSize"},
+		{Config{BufferSize: 1000}, "BufferSize"},
+		{Config{QueueCap: 1 << 30}, "QueueCap"},
+		{Config{MemoryType: 9}, "MemoryType"},
+		{Config{ShmDir: "relative"}, "ShmDir"},
+		{Config{HandshakeTimeout: -1}, "HandshakeTimeout"},
+		{Config{MaxMessageSize: 10}, "MaxMessageSize"},
+		{Config{AcceptBacklog: -1}, "AcceptBacklog"},
+		{Config{QueueFullTimeout: -1}, "QueueFullTimeout"},
+	}
+	for _, tc := range cases {
+		err := tc.cfg.Validate()
+		var ce *ConfigError
+		require.True(t, errors.As(err, &ce), "%+v: %v", tc.cfg, err)
+		require.Equal(t, tc.field, ce.Field)
+	}
+	require.NoError(t, (&Config{}).Validate())
+}
