@@ -19,6 +19,8 @@ fuzz:
 	$(GO) test ./buffer -run '^$$' -fuzz '^FuzzRegion$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./queue -run '^$$' -fuzz '^FuzzRing$$' -fuzztime $(FUZZTIME)
 	$(GO) test ./session -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME)
+	$(GO) test ./session -run '^$$' -fuzz '^FuzzServerHandshake$$' -fuzztime $(FUZZTIME)
+	$(GO) test ./session -run '^$$' -fuzz '^FuzzReceive$$' -fuzztime $(FUZZTIME)
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -count $(BENCHCOUNT) . | tee bench.txt
