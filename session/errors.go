@@ -17,6 +17,10 @@ var (
 	// stream after its Close. It satisfies errors.Is(err, net.ErrClosed).
 	ErrStreamClosed = fmt.Errorf("shmlink: stream closed: %w", net.ErrClosed)
 
+	// ErrWriteClosed is returned by Write, Reserve and Flush after
+	// CloseWrite. It satisfies errors.Is(err, net.ErrClosed).
+	ErrWriteClosed = fmt.Errorf("shmlink: stream closed for writing: %w", net.ErrClosed)
+
 	// ErrNotClient is returned by OpenStream on a server session: only the
 	// client opens streams in the shmipc protocol (PROTOCOL.md section 4).
 	ErrNotClient = errors.New("shmlink: only a client session opens streams")

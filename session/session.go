@@ -50,16 +50,29 @@ type Session struct {
 	ctlMu    sync.Mutex // serializes writes on conn
 	scratch  []byte     // message buffer, guarded by ctlMu
 	released atomic.Bool
-	ctr      counters
+	// closeCalled is set by the first Close.
+	closeCalled atomic.Bool
+	ctr         counters
 
-	mu       sync.Mutex
-	streams  map[uint32]*Stream
+	mu sync.Mutex
+	// streams routes events to streams by id: open streams and streams
+	// waiting for the peer's close. A stream leaves it once both closes
+	// were exchanged, so that a later event for its id is a new stream.
+	streams map[uint32]*Stream
+	// live holds the streams not yet closed locally, routed or not: they
+	// may still read from shared memory, and Close must end them.
+	live     map[*Stream]struct{}
 	nextID   uint32
+	freeIDs  []uint32 // client: ids whose streams both sides closed, for reuse
 	accepts  []*Stream
 	acceptCh chan struct{} // cap 1: a stream was queued for AcceptStream
 	err      error         // why the session ended; set once under mu
 	// closeWhenIdle ends the session with its last stream.
 	closeWhenIdle bool
+	// idleTimeout > 0 ends the session after that long without a stream;
+	// idleTimer is armed while the session is idle.
+	idleTimeout time.Duration
+	idleTimer   *time.Timer
 
 	dead      chan struct{} // closed when the session ends, for any reason
 	recvDone  chan struct{} // closed when recvLoop has returned
@@ -116,6 +129,7 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 		pollMsg:  AppendSimple(nil, version, TypePolling),
 		mem:      mem,
 		streams:  make(map[uint32]*Stream),
+		live:     make(map[*Stream]struct{}),
 		nextID:   2, // PROTOCOL.md section 4
 		acceptCh: make(chan struct{}, 1),
 		dead:     make(chan struct{}),
@@ -154,18 +168,23 @@ func (s *Session) Err() error {
 	return s.err
 }
 
-// NumStreams returns the number of streams the session tracks: open ones
-// and ones waiting for the peer's close.
+// NumStreams returns the number of streams the session routes events to:
+// open ones and closed ones still waiting for the peer's close.
 func (s *Session) NumStreams() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return len(s.streams)
 }
 
-// OpenStream opens a new stream on a client session. Nothing is sent until
-// the first write (PROTOCOL.md section 4). It returns ErrNotClient on a
-// server session, the session's error once it has ended, ErrStreamIDs when
-// ids are exhausted, or ctx.Err() if ctx is already done.
+// OpenStream opens a new stream on a client session and announces it to the
+// server with an event whose slice holds zero bytes (PROTOCOL.md section 4:
+// the server creates a stream on its first event), so that the server's
+// AcceptStream returns before any data: protocols where the server speaks
+// first work. Ids of streams that both sides closed are reused. It returns
+// ErrNotClient on a server session, the session's error once it has ended,
+// ErrStreamIDs when ids are exhausted, ctx.Err() if ctx is done before the
+// announcement is queued, and ErrQueueFull if the peer leaves the IO queue
+// full for Config.QueueFullTimeout.
 func (s *Session) OpenStream(ctx context.Context) (*Stream, error) {
 	if !s.isClient {
 		return nil, ErrNotClient
@@ -174,18 +193,76 @@ func (s *Session) OpenStream(ctx context.Context) (*Stream, error) {
 		return nil, err
 	}
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if s.err != nil {
+		s.mu.Unlock()
 		return nil, s.err
 	}
-	id := s.nextID
-	if id == 0 {
-		return nil, ErrStreamIDs
+	var id uint32
+	for id == 0 && len(s.freeIDs) > 0 {
+		id = s.freeIDs[len(s.freeIDs)-1]
+		s.freeIDs = s.freeIDs[:len(s.freeIDs)-1]
+		if s.streams[id] != nil {
+			id = 0 // cannot happen: recycled ids are unrouted first
+		}
 	}
-	s.nextID++
+	if id == 0 {
+		if s.nextID == 0 {
+			s.mu.Unlock()
+			return nil, ErrStreamIDs
+		}
+		id = s.nextID
+		s.nextID++
+	}
 	st := newStream(s, id)
-	s.streams[id] = st
+	s.addLocked(st)
+	s.mu.Unlock()
+	if err := s.announce(ctx, st); err != nil {
+		st.Close()
+		return nil, err
+	}
 	return st, nil
+}
+
+// addLocked registers a new stream: routed and live. The caller holds mu.
+func (s *Session) addLocked(st *Stream) {
+	s.streams[st.id] = st
+	s.live[st] = struct{}{}
+	if s.idleTimer != nil {
+		s.idleTimer.Stop()
+	}
+}
+
+// announce sends the event that opens st on the server: its slice holds
+// zero bytes and the server recycles it. When no slice can be had it sends
+// an empty FallbackData instead; the two paths cannot reorder anything, as
+// neither carries bytes.
+func (s *Session) announce(ctx context.Context, st *Stream) error {
+	s.memMu.RLock()
+	defer s.memMu.RUnlock()
+	if s.mem == nil {
+		return s.Err()
+	}
+	region := s.mem.region
+	off, err := region.Alloc(0)
+	if errors.Is(err, buffer.ErrNoSpace) {
+		return s.writeFallback(st.id, nil)
+	}
+	if err == nil {
+		err = region.SetPayload(off, 0)
+	}
+	if err != nil {
+		s.fail(&SessionError{Op: "open stream", Err: err})
+		return s.Err()
+	}
+	err = s.putEvent(queue.Event{StreamID: st.id, Offset: off, Status: stateOpen}, nil, ctx.Done())
+	if err != nil {
+		region.Free(off)
+		if err == errDeadline {
+			return ctx.Err()
+		}
+		return err
+	}
+	return nil
 }
 
 // AcceptStream waits for the next stream the client opened. It returns
@@ -223,12 +300,16 @@ func (s *Session) AcceptStream(ctx context.Context) (*Stream, error) {
 // errors.Is(err, net.ErrClosed), data not yet read is dropped, the control
 // connection is closed and the shared memory unmapped (and its files
 // removed). Slices returned by zero-copy reads become invalid. Close waits
-// for the session's goroutine and returns nil; later calls return nil too.
+// for the session's goroutine and returns nil, also when the session had
+// already ended by itself; later calls return ErrSessionClosed.
 func (s *Session) Close() error {
+	if s.closeCalled.Swap(true) {
+		return ErrSessionClosed
+	}
 	s.fail(ErrSessionClosed)
 	s.mu.Lock()
-	sts := make([]*Stream, 0, len(s.streams))
-	for _, st := range s.streams {
+	sts := make([]*Stream, 0, len(s.live))
+	for st := range s.live {
 		sts = append(sts, st)
 	}
 	s.accepts = nil
@@ -251,9 +332,15 @@ func (s *Session) Close() error {
 func (s *Session) fail(err error) {
 	s.closeOnce.Do(func() {
 		s.mu.Lock()
-		s.err = err
-		sts := make([]*Stream, 0, len(s.streams))
-		for _, st := range s.streams {
+		if s.err == nil {
+			s.err = err
+		}
+		err = s.err
+		if s.idleTimer != nil {
+			s.idleTimer.Stop()
+		}
+		sts := make([]*Stream, 0, len(s.live))
+		for st := range s.live {
 			sts = append(sts, st)
 		}
 		s.mu.Unlock()
@@ -277,7 +364,7 @@ func (s *Session) fail(err error) {
 // held.
 func (s *Session) maybeRelease() {
 	s.mu.Lock()
-	ready := s.err != nil && len(s.streams) == 0
+	ready := s.err != nil && len(s.live) == 0
 	s.mu.Unlock()
 	if !ready || s.released.Load() {
 		return
@@ -292,21 +379,83 @@ func (s *Session) maybeRelease() {
 	s.memMu.Unlock()
 }
 
-// removeStream forgets a stream that both sides have closed (or that was
-// closed locally after the session ended). A session marked with
-// CloseWhenIdle ends with its last stream. inRecvLoop says the caller is
-// the receive loop, which releases the memory itself when it returns.
-func (s *Session) removeStream(st *Stream, inRecvLoop bool) {
+// unroute stops routing events to st: both sides closed it (or the session
+// ended), so a later event for its id belongs to a new stream. inRecvLoop
+// says the caller is the receive loop, which releases the memory itself
+// when it returns.
+func (s *Session) unroute(st *Stream, inRecvLoop bool) {
 	s.mu.Lock()
 	if s.streams[st.id] == st {
 		delete(s.streams, st.id)
 	}
-	idle := len(s.streams) == 0 && s.closeWhenIdle
+	s.mu.Unlock()
+	s.checkIdle(inRecvLoop)
+}
+
+// retire forgets st as a live stream: it was closed locally and holds no
+// shared memory any more.
+func (s *Session) retire(st *Stream) {
+	s.mu.Lock()
+	delete(s.live, st)
+	s.mu.Unlock()
+	s.checkIdle(false)
+	s.maybeRelease()
+}
+
+// recycle makes id available to OpenStream again. A client calls it once
+// both closes of the stream were exchanged and its own close went through
+// the IO queue: a StreamClose on the socket could be overtaken by the next
+// stream's first event, which the server would then route to the old
+// stream, so such ids are not reused.
+func (s *Session) recycle(id uint32, onSocket bool) {
+	if !s.isClient || onSocket {
+		return
+	}
+	s.mu.Lock()
+	if s.err == nil && s.streams[id] == nil {
+		s.freeIDs = append(s.freeIDs, id)
+	}
+	s.mu.Unlock()
+}
+
+// checkIdle acts on a session that has no stream left, neither routed nor
+// live: a session marked with CloseWhenIdle ends, one with an idle timeout
+// arms its timer.
+func (s *Session) checkIdle(inRecvLoop bool) {
+	s.mu.Lock()
+	idle := len(s.streams) == 0 && len(s.live) == 0 && s.err == nil
+	closeNow := idle && s.closeWhenIdle
+	if idle && !closeNow && s.idleTimeout > 0 {
+		if s.idleTimer == nil {
+			s.idleTimer = time.AfterFunc(s.idleTimeout, s.idleExpired)
+		} else {
+			s.idleTimer.Reset(s.idleTimeout)
+		}
+	}
+	if closeNow {
+		s.err = ErrSessionClosed // OpenStream fails from here on
+	}
+	s.mu.Unlock()
+	if closeNow {
+		s.fail(ErrSessionClosed)
+		if !inRecvLoop {
+			s.maybeRelease()
+		}
+	}
+}
+
+// idleExpired ends the session if it is still idle when its idle timer
+// fires.
+func (s *Session) idleExpired() {
+	s.mu.Lock()
+	idle := len(s.streams) == 0 && len(s.live) == 0 && s.err == nil
+	if idle {
+		s.err = ErrSessionClosed // OpenStream fails from here on
+	}
 	s.mu.Unlock()
 	if idle {
+		s.cfg.Logger.Debug("shmlink: idle session closed", "remote", s.conn.RemoteAddr(), "after", s.idleTimeout)
 		s.fail(ErrSessionClosed)
-	}
-	if !inRecvLoop {
 		s.maybeRelease()
 	}
 }
@@ -316,12 +465,22 @@ func (s *Session) removeStream(st *Stream, inRecvLoop bool) {
 func (s *Session) CloseWhenIdle() {
 	s.mu.Lock()
 	s.closeWhenIdle = true
-	idle := len(s.streams) == 0
 	s.mu.Unlock()
-	if idle {
-		s.fail(ErrSessionClosed)
-		s.maybeRelease()
+	s.checkIdle(false)
+}
+
+// SetIdleTimeout makes the session end once it has had no stream for d:
+// none open and none waiting for the peer's close. OpenStream then returns
+// ErrSessionClosed. Zero or a negative d turns the timeout off. It is meant
+// for a pool of client sessions (shmlink.Dialer).
+func (s *Session) SetIdleTimeout(d time.Duration) {
+	s.mu.Lock()
+	s.idleTimeout = d
+	if d <= 0 && s.idleTimer != nil {
+		s.idleTimer.Stop()
 	}
+	s.mu.Unlock()
+	s.checkIdle(false)
 }
 
 // recvLoop reads control messages until the connection ends; it alone
@@ -463,31 +622,44 @@ func (s *Session) dispatchLocked(ev queue.Event, data []byte) error {
 	s.mu.Lock()
 	st := s.streams[ev.StreamID]
 	if st == nil {
-		refuse := false
-		if !s.isClient && state == stateOpen && ev.StreamID != 0 && s.err == nil {
-			if len(s.accepts) < s.cfg.AcceptBacklog {
-				st = newStream(s, ev.StreamID)
-				s.streams[ev.StreamID] = st
-				s.accepts = append(s.accepts, st)
-				select {
-				case s.acceptCh <- struct{}{}:
-				default:
-				}
-			} else {
-				refuse = true
-			}
-		}
-		if st == nil {
+		if s.isClient || state != stateOpen || ev.StreamID == 0 || s.err != nil {
 			s.mu.Unlock()
-			// Data for a stream we do not know (or refuse): recycle it.
+			// Data for a stream we do not know: recycle it.
 			if ev.Offset != 0 {
 				if _, err := s.mem.region.FreeChain(ev.Offset); err != nil {
 					return err
 				}
 			}
-			if refuse {
-				s.cfg.Logger.Warn("shmlink: accept backlog full, refusing stream", "stream", ev.StreamID)
-				s.sendCloseLocked(ev.StreamID, false)
+			return nil
+		}
+		st = newStream(s, ev.StreamID)
+		if len(s.accepts) < s.cfg.AcceptBacklog {
+			s.addLocked(st)
+			s.accepts = append(s.accepts, st)
+			select {
+			case s.acceptCh <- struct{}{}:
+			default:
+			}
+		} else {
+			// Refused: the stream is closed at once but stays routed until
+			// the client's close, so that the client's events still in
+			// flight are recycled instead of opening it again.
+			st.closed, st.wclosed, st.closeSent = true, true, true
+			close(st.closedCh)
+			s.streams[st.id] = st
+			s.mu.Unlock()
+			s.cfg.Logger.Warn("shmlink: accept backlog full, refusing stream", "stream", ev.StreamID)
+			onSocket := s.sendCloseLocked(ev.StreamID, false)
+			st.mu.Lock()
+			st.closeOnSocket = onSocket
+			st.mu.Unlock()
+			if ev.Offset != 0 {
+				if _, err := s.mem.region.FreeChain(ev.Offset); err != nil {
+					return err
+				}
+			}
+			if state == stateClosed {
+				st.remoteClose()
 			}
 			return nil
 		}
@@ -560,10 +732,11 @@ func (s *Session) putEvent(ev queue.Event, closed, cancel <-chan struct{}) error
 // sendCloseLocked tells the peer that stream id is closed: an event
 // {id, 0, 1}, or a StreamClose message when the queue is full or viaSocket
 // is set (the stream's earlier data went over the socket, which the event
-// could overtake). Errors end the session and are not returned: a close
+// could overtake). It reports whether the close went over the socket (or
+// could not be sent). Errors end the session and are not returned: a close
 // that cannot be sent means the session is gone anyway. The caller holds
 // memMu's read lock with the memory mapped.
-func (s *Session) sendCloseLocked(id uint32, viaSocket bool) {
+func (s *Session) sendCloseLocked(id uint32, viaSocket bool) (onSocket bool) {
 	if !viaSocket {
 		s.sendMu.Lock()
 		err := s.mem.send.Put(queue.Event{StreamID: id, Status: stateClosed})
@@ -574,12 +747,13 @@ func (s *Session) sendCloseLocked(id uint32, viaSocket bool) {
 				s.ctr.wakeupsSent.Add(1)
 				s.writeCtl(s.pollMsg)
 			}
-			return
+			return false
 		}
 		if !errors.Is(err, queue.ErrFull) {
 			s.fail(&SessionError{Op: "send", Err: err})
-			return
+			return true
 		}
+		s.ctr.queueFull.Add(1)
 	}
 	s.ctlMu.Lock()
 	s.scratch = AppendStreamClose(s.scratch[:0], s.version, id)
@@ -588,6 +762,7 @@ func (s *Session) sendCloseLocked(id uint32, viaSocket bool) {
 	if err != nil {
 		s.fail(&SessionError{Op: "write", Err: err})
 	}
+	return true
 }
 
 // writeFallback sends data for stream id as one FallbackData message

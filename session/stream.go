@@ -26,8 +26,16 @@ type chunk struct {
 }
 
 // A Stream is one bidirectional byte stream of a session. It implements
-// net.Conn and adds a zero-copy API: Reserve and Flush on the write side,
-// Peek, ReadBytes, Discard and ReleasePreviousRead on the read side.
+// net.Conn, with CloseWrite for a half-close like *net.TCPConn's, and adds
+// a zero-copy API: Reserve and Flush on the write side, Peek, ReadBytes,
+// Discard and ReleasePreviousRead on the read side.
+//
+// Errors follow package net: a deadline that passed gives a net.Error with
+// Timeout() true that unwraps to os.ErrDeadlineExceeded; calls after Close,
+// or after the session was closed locally, give errors satisfying
+// errors.Is(err, net.ErrClosed); the peer's close reads as io.EOF after all
+// its data; when the session ends otherwise (the peer process died, a
+// protocol error) every call gives the session's *SessionError.
 //
 // Read and Write may be called concurrently with each other and with Close
 // and the deadline setters; concurrent Reads (or Writes) are serialized.
@@ -35,16 +43,19 @@ type Stream struct {
 	s  *Session
 	id uint32
 
-	mu           sync.Mutex
-	recv         []chunk // FIFO from rhead
-	rhead        int
-	buffered     int      // unread bytes in recv
-	held         []uint32 // consumed slices with a zero-copy view out
-	remoteClosed bool
-	closed       bool
-	readCh       chan struct{} // cap 1: data or state arrived
-	closedCh     chan struct{} // closed by Close
-	rdl, wdl     deadline
+	mu            sync.Mutex
+	recv          []chunk // FIFO from rhead
+	rhead         int
+	buffered      int           // unread bytes in recv
+	held          []uint32      // consumed slices with a zero-copy view out
+	remoteClosed  bool          // the peer's close arrived
+	closed        bool          // Close was called
+	wclosed       bool          // our close was started, by CloseWrite or Close
+	closeSent     bool          // our close is out, or can no longer be sent
+	closeOnSocket bool          // it went as a StreamClose message (or not at all)
+	readCh        chan struct{} // cap 1: data or state arrived
+	closedCh      chan struct{} // closed by Close
+	rdl, wdl      deadline
 
 	rmu       sync.Mutex // serializes readers
 	wmu       sync.Mutex // serializes writers; guards the fields below
@@ -147,7 +158,9 @@ func (st *Stream) pushChain(off uint32) error {
 		return err
 	}
 	st.mu.Lock()
-	if st.closed {
+	if st.closed || total == 0 {
+		// Nothing to read: a closed stream drops its data, and an empty
+		// message (the announcement of a new stream) carries none.
 		st.mu.Unlock()
 		_, err := region.FreeChain(off)
 		return err
@@ -174,15 +187,23 @@ func (st *Stream) pushBytes(data []byte) {
 }
 
 // remoteClose records the peer's close: reads end with io.EOF once the data
-// already queued is read.
+// already queued is read. If our close was started too, the stream is
+// unrouted now: the peer may reuse its id as soon as it sees our close.
 func (st *Stream) remoteClose() {
 	st.mu.Lock()
+	if st.remoteClosed {
+		st.mu.Unlock()
+		return // a second close from the peer
+	}
 	st.remoteClosed = true
-	done := st.closed
+	wclosed, sent, onSocket := st.wclosed, st.closeSent, st.closeOnSocket
 	st.mu.Unlock()
 	st.notifyRead()
-	if done {
-		st.s.removeStream(st, true)
+	if wclosed {
+		st.s.unroute(st, true)
+		if sent {
+			st.s.recycle(st.id, onSocket)
+		}
 	}
 }
 
@@ -468,9 +489,9 @@ func (st *Stream) Buffered() int {
 
 // Write writes p to the stream; see net.Conn. Data goes into slices of
 // shared memory, one event per chain of up to 4 MiB, and as FallbackData
-// over the control connection when shared memory is exhausted. It returns
-// ErrStreamClosed after Close, a deadline error (Timeout() true) after the
-// write deadline, ErrQueueFull if the peer leaves the IO queue full for
+// over the control connection when shared memory is exhausted. p is not
+// retained. It returns ErrStreamClosed after Close, ErrWriteClosed after
+// CloseWrite, a deadline error (Timeout() true) after the write deadline, ErrQueueFull if the peer leaves the IO queue full for
 // Config.QueueFullTimeout, and the session's error if it ended. Bytes
 // counted in n were handed to the peer.
 func (st *Stream) Write(p []byte) (int, error) {
@@ -492,8 +513,14 @@ func (st *Stream) Write(p []byte) (int, error) {
 
 // writeCheck returns why a write cannot go on, or nil.
 func (st *Stream) writeCheck() error {
-	if st.isClosed() {
+	st.mu.Lock()
+	closed, wclosed := st.closed, st.wclosed
+	st.mu.Unlock()
+	if closed {
 		return ErrStreamClosed
+	}
+	if wclosed {
+		return ErrWriteClosed
 	}
 	select {
 	case <-st.wdl.wait():
@@ -612,10 +639,14 @@ func (st *Stream) Reserve(n int) ([]byte, error) {
 }
 
 // Flush sends every byte reserved since the last Flush or Write. Errors are
-// Write's.
+// Write's, also when nothing is reserved.
 func (st *Stream) Flush() error {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
+	if err := st.writeCheck(); err != nil {
+		st.abortLocked()
+		return err
+	}
 	return st.flushLocked()
 }
 
@@ -674,16 +705,22 @@ func (st *Stream) abortLocked() {
 // Close closes the stream: the peer reads io.EOF after the data already
 // sent, blocked calls on this stream return ErrStreamClosed, bytes not yet
 // read are dropped (their slices recycled), and reserved bytes not yet
-// flushed are discarded. Zero-copy results become invalid. Close returns
-// nil, also when called again.
+// flushed are discarded. Zero-copy results become invalid. After
+// CloseWrite, Close sends nothing more. Close returns nil, and
+// ErrStreamClosed when called again, like a net.Conn.
+//
+// The stream id is reused by a later OpenStream once both sides have
+// closed the stream; the stream itself must not be used after Close.
 func (st *Stream) Close() error {
 	st.mu.Lock()
 	if st.closed {
 		st.mu.Unlock()
-		return nil
+		return ErrStreamClosed
 	}
 	st.closed = true
 	close(st.closedCh)
+	mustSend := !st.wclosed
+	st.wclosed = true
 	st.mu.Unlock()
 	st.rdl.stop()
 	st.wdl.stop()
@@ -715,15 +752,74 @@ func (st *Stream) Close() error {
 		st.releaseHeldLocked()
 	}
 	st.recv, st.rhead, st.buffered, st.held = nil, 0, 0, nil
+	st.mu.Unlock()
+	s.memMu.RUnlock()
+	if mustSend {
+		st.sendClose(viaSocket)
+	}
+	if s.Err() != nil {
+		s.unroute(st, false) // no close will come from the peer
+	}
+	s.retire(st)
+	return nil
+}
+
+// CloseWrite half-closes the stream: bytes reserved and not yet flushed are
+// sent, then the peer reads io.EOF after everything written, while this
+// side goes on reading what the peer sends. Later writes fail with
+// ErrWriteClosed; Close is still needed to release the stream and sends
+// nothing more. CloseWrite returns nil when called again, ErrStreamClosed
+// after Close, and the error of sending the reserved bytes, if any (the
+// write side is closed anyway).
+func (st *Stream) CloseWrite() error {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	st.mu.Lock()
+	closed, wclosed := st.closed, st.wclosed
+	st.mu.Unlock()
+	if closed {
+		return ErrStreamClosed
+	}
+	if wclosed {
+		return nil
+	}
+	err := st.flushLocked()
+	st.mu.Lock()
+	if st.closed {
+		// Close ran meanwhile and sent the close itself.
+		st.mu.Unlock()
+		return ErrStreamClosed
+	}
+	st.wclosed = true
+	st.mu.Unlock()
+	st.sendClose(st.viaSocket)
+	return err
+}
+
+// sendClose sends our close of the stream, once wclosed is set. When the
+// peer's close came first the stream is unrouted before: a client may reuse
+// the id as soon as it has our close, and its next event for the id must
+// open a new stream. A client recycles the id once both closes are out.
+func (st *Stream) sendClose(viaSocket bool) {
+	s := st.s
+	st.mu.Lock()
 	remoteClosed := st.remoteClosed
 	st.mu.Unlock()
-	alive := s.mem != nil && s.Err() == nil
-	if alive {
-		s.sendCloseLocked(st.id, viaSocket)
+	if remoteClosed {
+		s.unroute(st, false)
+	}
+	onSocket := true
+	s.memMu.RLock()
+	if s.mem != nil && s.Err() == nil {
+		onSocket = s.sendCloseLocked(st.id, viaSocket)
 	}
 	s.memMu.RUnlock()
-	if remoteClosed || !alive {
-		s.removeStream(st, false)
+	st.mu.Lock()
+	st.closeSent, st.closeOnSocket = true, onSocket
+	remoteClosed = st.remoteClosed
+	st.mu.Unlock()
+	if remoteClosed {
+		s.unroute(st, false)
+		s.recycle(st.id, onSocket)
 	}
-	return nil
 }
