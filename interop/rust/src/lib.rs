@@ -3,11 +3,7 @@
 //! Both binaries speak the shmipc protocol through the crates.io `shmipc` crate in its default
 //! "legacy" mode (file-backed shared memory -> protocol v2, memfd -> protocol v3).
 
-use std::{
-    net::SocketAddr,
-    str::FromStr,
-    time::Duration,
-};
+use std::{net::SocketAddr, str::FromStr, time::Duration};
 
 use shmipc::{
     config::{Config, SizePercentPair},
@@ -31,7 +27,10 @@ pub struct Args {
 
 impl Args {
     pub fn from_env() -> Self {
-        Self { items: std::env::args().skip(1).collect(), pos: 0 }
+        Self {
+            items: std::env::args().skip(1).collect(),
+            pos: 0,
+        }
     }
 
     /// Returns the next flag name (with any `=value` split off and queued).
@@ -62,7 +61,8 @@ impl Args {
         T::Err: std::fmt::Display,
     {
         let v = self.value(flag)?;
-        v.parse::<T>().map_err(|e| format!("bad value {v:?} for {flag}: {e}"))
+        v.parse::<T>()
+            .map_err(|e| format!("bad value {v:?} for {flag}: {e}"))
     }
 }
 
@@ -76,11 +76,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         _ => (s, 1),
     };
     let n: u64 = num.parse().map_err(|e| format!("bad size {s:?}: {e}"))?;
-    n.checked_mul(mult).ok_or_else(|| format!("size {s:?} overflows"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} overflows"))
 }
 
 pub fn parse_size_list(s: &str) -> Result<Vec<u64>, String> {
-    s.split(',').filter(|p| !p.is_empty()).map(parse_size).collect()
+    s.split(',')
+        .filter(|p| !p.is_empty())
+        .map(parse_size)
+        .collect()
 }
 
 /// `SIZE:PERCENT,...`, e.g. `8172:50,32748:30,131052:20` (slice data sizes, excluding the 20-byte
@@ -94,7 +98,9 @@ pub fn parse_slices(s: &str) -> Result<Vec<SizePercentPair>, String> {
                 .ok_or_else(|| format!("slice class {p:?} must be SIZE:PERCENT"))?;
             Ok(SizePercentPair {
                 size: u32::try_from(parse_size(size)?).map_err(|e| e.to_string())?,
-                percent: pct.parse().map_err(|e| format!("bad percent in {p:?}: {e}"))?,
+                percent: pct
+                    .parse()
+                    .map_err(|e| format!("bad percent in {p:?}: {e}"))?,
             })
         })
         .collect()
@@ -184,7 +190,8 @@ impl ShmOpts {
             "--mem" => self.mem = parse_mem(&args.value(flag)?)?,
             "--buffer-size" => {
                 let v = parse_size(&args.value(flag)?)?;
-                self.buffer_size = u32::try_from(v).map_err(|_| "--buffer-size too large".to_owned())?;
+                self.buffer_size =
+                    u32::try_from(v).map_err(|_| "--buffer-size too large".to_owned())?;
             }
             "--slices" => self.slices = Some(parse_slices(&args.value(flag)?)?),
             "--queue-cap" => self.queue_cap = Some(args.parse(flag)?),
@@ -233,15 +240,77 @@ pub const SHM_FLAGS_HELP: &str = "\
 ";
 
 /// TCP listener that, unlike `shmipc::transport::DefaultTcpListen` (which wraps a *blocking*
-/// std listener), binds a proper non-blocking tokio listener.
+/// std listener), binds a proper non-blocking tokio listener. It records the address it bound
+/// (so `--tcp 127.0.0.1:0` can report the port the kernel chose).
 #[derive(Clone, Debug, Default)]
-pub struct TokioTcpListen;
+pub struct TokioTcpListen {
+    pub bound: std::sync::Arc<std::sync::OnceLock<SocketAddr>>,
+}
 
 impl TransportListen for TokioTcpListen {
     type Listener = tokio::net::TcpListener;
     type Address = SocketAddr;
 
     async fn listen(&self, addr: Self::Address) -> std::io::Result<Self::Listener> {
-        tokio::net::TcpListener::bind(addr).await
+        let l = tokio::net::TcpListener::bind(addr).await?;
+        let _ = self.bound.set(l.local_addr()?);
+        Ok(l)
+    }
+}
+
+/// Byte `i` of message `msg` on stream index `stream` in the *tagged* pattern that shmlink's Go
+/// interop client sends: every aligned 8 bytes are `stream as u16 | msg as u16 | (i & !7) as u32`
+/// (little-endian), so a wrong byte names the stream, message and offset it belongs to.
+#[inline]
+pub fn tagged_byte(stream: u64, msg: u64, i: u64) -> u8 {
+    let mut tag = [0u8; 8];
+    tag[0..2].copy_from_slice(&(stream as u16).to_le_bytes());
+    tag[2..4].copy_from_slice(&(msg as u16).to_le_bytes());
+    tag[4..8].copy_from_slice(&((i & !7) as u32).to_le_bytes());
+    tag[(i % 8) as usize]
+}
+
+/// Checks the bytes a stream receives against the tagged pattern, message by message, where
+/// message `m` has size `sizes[m % sizes.len()]`.
+pub struct TaggedChecker {
+    sizes: std::sync::Arc<Vec<u64>>,
+    stream: u64,
+    msg: u64,
+    off: u64,
+}
+
+impl TaggedChecker {
+    pub fn new(sizes: std::sync::Arc<Vec<u64>>, stream: u64) -> Self {
+        Self {
+            sizes,
+            stream,
+            msg: 0,
+            off: 0,
+        }
+    }
+
+    /// Checks the next bytes of the stream; on the first mismatch returns where it is and what
+    /// arrived (the checker is then of no further use).
+    pub fn check(&mut self, data: &[u8]) -> Result<(), String> {
+        for (j, &b) in data.iter().enumerate() {
+            let want = tagged_byte(self.stream, self.msg, self.off);
+            if b != want {
+                let got = &data[j..(j + 8).min(data.len())];
+                return Err(format!(
+                    "message {} byte {}: got {:02x?} (want {want:#04x}) at {} of a batch of {} bytes",
+                    self.msg,
+                    self.off,
+                    got,
+                    j,
+                    data.len()
+                ));
+            }
+            self.off += 1;
+            if self.off == self.sizes[(self.msg as usize) % self.sizes.len()] {
+                self.msg += 1;
+                self.off = 0;
+            }
+        }
+        Ok(())
     }
 }

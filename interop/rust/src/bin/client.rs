@@ -42,6 +42,8 @@ Exit 0 on success; 1 with a message on stderr on any failure (2 on bad usage).
   --timeout-s S             overall deadline in seconds (default 120)
   --expect-fallback         fail unless at least one message went as FallbackData (either way)
   --expect-no-fallback      fail if any message went as FallbackData
+  --expect-eof              after the last echo, require the server to close each stream first
+                            (EndOfStream with no extra byte) before closing it on this side
   --no-close                skip SessionManager::close() at the end (it may wait up to 5 s for
                             buffers to come back before unmapping)
   --help
@@ -57,6 +59,7 @@ struct Opts {
     sessions: usize,
     timeout: Duration,
     expect_fallback: Option<bool>,
+    expect_eof: bool,
     close: bool,
     shm: ShmOpts,
 }
@@ -72,6 +75,7 @@ fn parse_opts() -> Result<Opts, String> {
         sessions: 1,
         timeout: Duration::from_secs(120),
         expect_fallback: None,
+        expect_eof: false,
         close: true,
         shm: ShmOpts::default(),
     };
@@ -89,6 +93,7 @@ fn parse_opts() -> Result<Opts, String> {
             "--timeout-s" => o.timeout = Duration::from_secs_f64(args.parse(&flag)?),
             "--expect-fallback" => o.expect_fallback = Some(true),
             "--expect-no-fallback" => o.expect_fallback = Some(false),
+            "--expect-eof" => o.expect_eof = true,
             "--no-close" => o.close = false,
             "--help" | "-h" => {
                 print!("{USAGE}{SHM_FLAGS_HELP}");
@@ -205,12 +210,13 @@ where
 
     let sizes = Arc::new(opts.sizes.clone());
     let rounds = opts.rounds;
+    let expect_eof = opts.expect_eof;
     let t1 = Instant::now();
     let mut tasks = Vec::with_capacity(streams.len());
     for (idx, stream) in streams.into_iter().enumerate() {
         let sizes = sizes.clone();
         tasks.push(tokio::spawn(async move {
-            exercise(stream, idx as u64, &sizes, rounds).await
+            exercise(stream, idx as u64, &sizes, rounds, expect_eof).await
         }));
     }
     let mut failures = Vec::new();
@@ -219,7 +225,10 @@ where
         match t.await {
             Ok(Ok(n)) => total += n,
             Ok(Err(e)) => failures.push(format!("stream #{idx} (id {}): {e}", ids[idx])),
-            Err(e) => failures.push(format!("stream #{idx} (id {}): task panicked: {e}", ids[idx])),
+            Err(e) => failures.push(format!(
+                "stream #{idx} (id {}): task panicked: {e}",
+                ids[idx]
+            )),
         }
     }
     let elapsed = t1.elapsed();
@@ -271,7 +280,13 @@ fn print_stats(s: &StatsSnapshot) {
     );
 }
 
-async fn exercise(mut stream: Stream, idx: u64, sizes: &[u64], rounds: u64) -> Result<u64, String> {
+async fn exercise(
+    mut stream: Stream,
+    idx: u64,
+    sizes: &[u64],
+    rounds: u64,
+    expect_eof: bool,
+) -> Result<u64, String> {
     let mut msg = 0u64;
     let mut total = 0u64;
     let mut payload = Vec::new();
@@ -296,7 +311,11 @@ async fn exercise(mut stream: Stream, idx: u64, sizes: &[u64], rounds: u64) -> R
                             "msg {msg} size {size}: peer closed the stream after {got} bytes"
                         ));
                     }
-                    Err(e) => return Err(format!("msg {msg} size {size}: read after {got} bytes: {e}")),
+                    Err(e) => {
+                        return Err(format!(
+                            "msg {msg} size {size}: read after {got} bytes: {e}"
+                        ));
+                    }
                 };
                 if got + chunk.len() > size_us {
                     return Err(format!(
@@ -320,9 +339,22 @@ async fn exercise(mut stream: Stream, idx: u64, sizes: &[u64], rounds: u64) -> R
             msg += 1;
         }
     }
-    stream
-        .close()
-        .await
-        .map_err(|e| format!("close: {e}"))?;
+    if expect_eof {
+        match stream.read_chunk().await {
+            Err(Error::EndOfStream) => {}
+            Ok(chunk) => {
+                return Err(format!(
+                    "expected the server's close after {total} bytes, got {} more bytes",
+                    chunk.len()
+                ));
+            }
+            Err(e) => {
+                return Err(format!(
+                    "expected the server's close after {total} bytes: {e}"
+                ));
+            }
+        }
+    }
+    stream.close().await.map_err(|e| format!("close: {e}"))?;
     Ok(total)
 }

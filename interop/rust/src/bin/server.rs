@@ -12,13 +12,11 @@ use std::{
     },
 };
 
-use shmipc::{
-    Error, Listener,
-    buffer::BufferReader,
-    stream::Stream,
-    transport::DefaultUnixListen,
+use shmipc::{Error, Listener, buffer::BufferReader, stream::Stream, transport::DefaultUnixListen};
+use shmipc_interop::{
+    Args, SHM_FLAGS_HELP, ShmOpts, TaggedChecker, TokioTcpListen, banner, init_logging, parse_size,
+    parse_size_list,
 };
-use shmipc_interop::{Args, SHM_FLAGS_HELP, ShmOpts, TokioTcpListen, banner, init_logging};
 
 const USAGE: &str = "\
 usage: server --unix PATH [--tcp HOST:PORT] [options]
@@ -29,7 +27,13 @@ once all listeners are bound. Runs until killed (SIGINT/SIGTERM) or --max-stream
 
   --unix PATH               Unix socket path to listen on (unlinked first). Required unless --tcp.
   --tcp HOST:PORT           also (or only) listen on TCP, e.g. 127.0.0.1:7777 (file mode only:
-                            memfd needs a Unix socket)
+                            memfd needs a Unix socket); port 0 picks a free port, and the
+                            \"listening tcp\" line names the address actually bound
+  --check-sizes LIST        check every received byte against the tagged pattern of shmlink's Go
+                            interop client (stream index = id - 2; message m has size
+                            LIST[m % len]); a mismatch is a stream error
+  --close-after BYTES       close each stream from the server side once it has echoed at least
+                            BYTES bytes (K/M suffixes ok), instead of waiting for the peer's close
   --max-streams N           exit 0 after N streams have finished (default: run forever)
   --quiet                   do not print a line per finished stream
   --help
@@ -50,6 +54,8 @@ fn main() {
     let mut tcp: Option<std::net::SocketAddr> = None;
     let mut max_streams: Option<u64> = None;
     let mut quiet = false;
+    let mut close_after: Option<u64> = None;
+    let mut check_sizes: Option<Arc<Vec<u64>>> = None;
     let mut shm = ShmOpts::default();
     let res: Result<(), String> = (|| {
         while let Some(flag) = args.next_flag() {
@@ -61,6 +67,14 @@ fn main() {
                 "--tcp" => tcp = Some(args.parse(&flag)?),
                 "--max-streams" => max_streams = Some(args.parse(&flag)?),
                 "--quiet" => quiet = true,
+                "--check-sizes" => {
+                    let sizes = parse_size_list(&args.value(&flag)?)?;
+                    if sizes.is_empty() || sizes.contains(&0) {
+                        return Err("--check-sizes needs sizes >= 1".to_owned());
+                    }
+                    check_sizes = Some(Arc::new(sizes));
+                }
+                "--close-after" => close_after = Some(parse_size(&args.value(&flag)?)?),
                 "--help" | "-h" => {
                     print!("{USAGE}{SHM_FLAGS_HELP}");
                     std::process::exit(0);
@@ -84,7 +98,11 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let code = rt.block_on(run(unix, tcp, max_streams, quiet, shm));
+    let opts = EchoOpts {
+        close_after,
+        check_sizes,
+    };
+    let code = rt.block_on(run(unix, tcp, max_streams, quiet, opts, shm));
     std::process::exit(code);
 }
 
@@ -93,6 +111,7 @@ async fn run(
     tcp: Option<std::net::SocketAddr>,
     max_streams: Option<u64>,
     quiet: bool,
+    opts: EchoOpts,
     shm: ShmOpts,
 ) -> i32 {
     let config = shm.to_config();
@@ -121,8 +140,9 @@ async fn run(
             }
         }
     }
+    let tcp_listen = TokioTcpListen::default();
     if let Some(addr) = tcp {
-        match Listener::new(TokioTcpListen, addr, config.clone()).await {
+        match Listener::new(tcp_listen.clone(), addr, config.clone()).await {
             Ok(l) => listeners.push(("tcp", l)),
             Err(e) => {
                 eprintln!("server: listen tcp {addr}: {e}");
@@ -136,7 +156,10 @@ async fn run(
         println!("listening unix {p}");
     }
     if let Some(a) = tcp {
-        println!("listening tcp {a}");
+        println!(
+            "listening tcp {}",
+            tcp_listen.bound.get().copied().unwrap_or(a)
+        );
     }
     println!("ready");
     let _ = std::io::stdout().flush();
@@ -144,31 +167,45 @@ async fn run(
     for (kind, mut listener) in listeners {
         let counters = counters.clone();
         let done = done.clone();
+        let opts = opts.clone();
         tokio::spawn(async move {
             loop {
                 match listener.accept().await {
                     Ok(stream) => {
                         let counters = counters.clone();
                         let done = done.clone();
+                        let opts = opts.clone();
                         tokio::spawn(async move {
                             let id = stream.stream_id();
-                            let (n, err) = echo(stream).await;
+                            let (n, err, closed_first) = echo(stream, &opts).await;
                             counters.bytes.fetch_add(n, Ordering::SeqCst);
-                            if let Some(e) = &err {
+                            if let Some(EchoError::Check(e)) = &err {
+                                counters.errors.fetch_add(1, Ordering::SeqCst);
+                                eprintln!("server: {kind} stream {id}: received bytes differ: {e}");
+                            } else if let Some(EchoError::Stream(e)) = &err {
                                 if matches!(e, Error::StreamClosed | Error::SessionShutdown) {
                                     // The session went away (the client hard-closes it right
                                     // after closing its streams) before we saw the stream's
                                     // close event: not an echo failure.
                                     counters.aborted.fetch_add(1, Ordering::SeqCst);
                                     if !quiet {
-                                        println!("stream {id} aborted by session close after echoing {n} bytes ({e})");
+                                        println!(
+                                            "stream {id} aborted by session close after echoing {n} bytes ({e})"
+                                        );
                                     }
                                 } else {
                                     counters.errors.fetch_add(1, Ordering::SeqCst);
-                                    eprintln!("server: {kind} stream {id}: error after {n} bytes: {e}");
+                                    eprintln!(
+                                        "server: {kind} stream {id}: error after {n} bytes: {e}"
+                                    );
                                 }
                             } else if !quiet {
-                                println!("stream {id} closed after echoing {n} bytes");
+                                let how = if closed_first {
+                                    "closed by server"
+                                } else {
+                                    "closed"
+                                };
+                                println!("stream {id} {how} after echoing {n} bytes");
                             }
                             let total = counters.streams.fetch_add(1, Ordering::SeqCst) + 1;
                             if max_streams.is_some_and(|m| total >= m) {
@@ -204,8 +241,26 @@ async fn run(
     if errors > 0 { 1 } else { 0 }
 }
 
-/// Echo until EndOfStream. Returns (bytes echoed, error if any).
-async fn echo(mut stream: Stream) -> (u64, Option<Error>) {
+#[derive(Clone)]
+struct EchoOpts {
+    close_after: Option<u64>,
+    check_sizes: Option<Arc<Vec<u64>>>,
+}
+
+enum EchoError {
+    Stream(Error),
+    Check(String),
+}
+
+/// Echo until EndOfStream, or until `close_after` bytes were echoed. Returns (bytes echoed,
+/// error if any, whether the server closed the stream first).
+async fn echo(mut stream: Stream, opts: &EchoOpts) -> (u64, Option<EchoError>, bool) {
+    let mut checker = opts.check_sizes.as_ref().map(|sizes| {
+        TaggedChecker::new(
+            sizes.clone(),
+            u64::from(stream.stream_id()).saturating_sub(2),
+        )
+    });
     let mut total = 0u64;
     let mut pending: Vec<u8> = Vec::new();
     let err = loop {
@@ -214,26 +269,39 @@ async fn echo(mut stream: Stream) -> (u64, Option<Error>) {
         match stream.read_chunk().await {
             Ok(chunk) => pending.extend_from_slice(&chunk),
             Err(Error::EndOfStream) => break None,
-            Err(e) => break Some(e),
+            Err(e) => break Some(EchoError::Stream(e)),
         }
         while !stream.recv_buf().is_empty() {
             match stream.read_chunk().await {
                 Ok(chunk) => pending.extend_from_slice(&chunk),
-                Err(e) => return (total, Some(e)),
+                Err(e) => return (total, Some(EchoError::Stream(e)), false),
             }
         }
         stream.recv_buf().release_previous_read();
+        if let Some(c) = checker.as_mut()
+            && let Err(e) = c.check(&pending)
+        {
+            let _ = stream.close().await;
+            return (total, Some(EchoError::Check(e)), false);
+        }
         if let Err(e) = stream.write_bytes(&pending) {
-            break Some(e);
+            break Some(EchoError::Stream(e));
         }
         if let Err(e) = stream.flush(false).await {
-            break Some(e);
+            break Some(EchoError::Stream(e));
         }
         total += pending.len() as u64;
         pending.clear();
+        if opts.close_after.is_some_and(|limit| total >= limit) {
+            // Server-initiated close: the peer reads EndOfStream after the echo.
+            return match stream.close().await {
+                Ok(()) => (total, None, true),
+                Err(e) => (total, Some(EchoError::Stream(e)), true),
+            };
+        }
     };
     // Peer closed (or error): close our side. After a peer close this sends nothing (the crate
     // only sends a close event if our stream was still fully open).
     let _ = stream.close().await;
-    (total, err)
+    (total, err, false)
 }
