@@ -27,3 +27,11 @@ bench:
 
 example:
 	$(GO) run ./example/helloworld
+
+# Interop with the Rust shmipc crate (interop/): the tests build interop/rust
+# with cargo into interop/rust/target, then run both directions. Needs cargo.
+.PHONY: interop
+interop:
+	@command -v cargo >/dev/null || { echo "make interop: cargo not found in PATH (install Rust with rustup)" >&2; exit 1; }
+	$(GO) vet -tags interop ./interop/...
+	$(GO) test -race -tags interop -count=1 -timeout 15m -v ./interop/...
