@@ -36,7 +36,7 @@ func TestMain(m *testing.M) {
 func buildRust() error {
 	cargo, err := exec.LookPath("cargo")
 	if err != nil {
-		return fmt.Errorf("cargo not found in PATH (the interop tests build the Rust peer in %s; install Rust with rustup): %w", rustDir, err)
+		return fmt.Errorf("cargo not found in PATH: the interop tests build the Rust peer in interop/%s with it (install Rust with rustup): %w", rustDir, err)
 	}
 	version, err := crateVersion(filepath.Join(rustDir, "Cargo.lock"), "shmipc")
 	if err != nil {
