@@ -88,7 +88,8 @@ type Config struct {
 	HandshakeTimeout time.Duration
 
 	// MaxMessageSize is the largest control message accepted from the peer,
-	// header included, in bytes. Default DefaultMaxMessageSize (16 MiB).
+	// header included, in bytes. Default DefaultMaxMessageSize (32 MiB, the
+	// Rust crate's read buffer: it sends a whole flush as one FallbackData).
 	MaxMessageSize int
 
 	// AcceptBacklog is the number of streams a server session queues for

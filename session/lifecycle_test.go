@@ -159,7 +159,11 @@ func TestStreamIDReuse(t *testing.T) {
 	_, err = s1.Read(make([]byte, 1))
 	require.ErrorIs(t, err, io.EOF)
 	require.NoError(t, s1.Close())
-	eventually(t, func() bool { return client.NumStreams() == 1 }, "the client sees the server's close")
+	eventually(t, func() bool {
+		client.mu.Lock()
+		defer client.mu.Unlock()
+		return len(client.freeIDs) == 1
+	}, "the client sees the server's close")
 
 	// Now it is reused, by a stream the server accepts as new.
 	c3, err := client.OpenStream(ctx)

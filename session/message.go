@@ -24,7 +24,7 @@ const (
 
 	// DefaultMaxMessageSize is the largest control message, in bytes with
 	// the header, ParseHeader accepts when its maxLen is 0.
-	DefaultMaxMessageSize = 16 << 20
+	DefaultMaxMessageSize = 32 << 20
 
 	// MaxPathLen is the longest queue or buffer path, in bytes, that
 	// ShmMetadata may carry (PROTOCOL.md section 1.3); Linux's PATH_MAX.

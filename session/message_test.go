@@ -233,7 +233,7 @@ func TestParseHeaderRejects(t *testing.T) {
 		{"ShareMemory of 11 bytes", wire("0000000b 7758 02 00"), 0, "length"},
 		{"ShareMemoryByMemfd of 8 bytes", wire("00000008 7758 03 05"), 0, "length"},
 		{"ShareMemory with paths too long", wire("0000200d 7758 02 00"), 0, "length"},
-		{"FallbackData above the default max", wire("01000001 7758 03 03"), 0, "length"},
+		{"FallbackData above the default max", wire("02000001 7758 03 03"), 0, "length"},
 		{"FallbackData above maxLen", wire("00010001 7758 03 03"), 1 << 16, "length"},
 		{"largest length", wire("ffffffff 7758 03 03"), 0, "length"},
 		{"ShareMemory above maxLen", wire("00000035 7758 02 00"), 0x34, "length"},
@@ -256,7 +256,7 @@ func TestParseHeaderLimits(t *testing.T) {
 		msg    []byte
 		maxLen uint32
 	}{
-		{wire("01000000 7758 03 03"), 0},       // FallbackData of exactly DefaultMaxMessageSize
+		{wire("02000000 7758 03 03"), 0},       // FallbackData of exactly DefaultMaxMessageSize
 		{wire("00010000 7758 03 03"), 1 << 16}, // exactly maxLen
 		{wire("0000000c 7758 02 00"), 0},       // ShmMetadata of two length prefixes (parsing the payload fails later)
 		{wire("0000200c 7758 02 05"), 0},       // ShmMetadata of two MaxPathLen paths

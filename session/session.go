@@ -61,9 +61,13 @@ type Session struct {
 	streams map[uint32]*Stream
 	// live holds the streams not yet closed locally, routed or not: they
 	// may still read from shared memory, and Close must end them.
-	live     map[*Stream]struct{}
-	nextID   uint32
-	freeIDs  []uint32 // client: ids whose streams both sides closed, for reuse
+	live    map[*Stream]struct{}
+	nextID  uint32
+	freeIDs []uint32 // client: ids whose streams both sides closed, for reuse
+	// awaiting holds the ids of streams a client closed first and no longer
+	// routes; the peer's close, if one comes, makes the id reusable. At most
+	// maxAwaiting: shmipc-go and the Rust crate never send that close.
+	awaiting map[uint32]struct{}
 	accepts  []*Stream
 	acceptCh chan struct{} // cap 1: a stream was queued for AcceptStream
 	err      error         // why the session ended; set once under mu
@@ -245,7 +249,7 @@ func (s *Session) announce(ctx context.Context, st *Stream) error {
 	region := s.mem.region
 	off, err := region.Alloc(0)
 	if errors.Is(err, buffer.ErrNoSpace) {
-		return s.writeFallback(st.id, nil)
+		return s.writeFallback(st.id, nil, false)
 	}
 	if err == nil {
 		err = region.SetPayload(off, 0)
@@ -392,6 +396,38 @@ func (s *Session) unroute(st *Stream, inRecvLoop bool) {
 	s.checkIdle(inRecvLoop)
 }
 
+// maxAwaiting bounds Session.awaiting.
+const maxAwaiting = 4096
+
+// forgetClosed stops routing events to st, which a client closed before
+// the peer did: a client drops events for ids it does not route, and
+// shmipc-go and the Rust crate never answer a close, so keeping st would
+// leak it. If the peer does answer (this package does), the id is reused
+// then, provided our close went through the IO queue (see recycle).
+func (s *Session) forgetClosed(st *Stream) {
+	st.mu.Lock()
+	remoteClosed, onSocket := st.remoteClosed, st.closeOnSocket
+	st.mu.Unlock()
+	s.mu.Lock()
+	if s.streams[st.id] == st && !remoteClosed {
+		delete(s.streams, st.id)
+		if !onSocket && s.err == nil {
+			if s.awaiting == nil {
+				s.awaiting = make(map[uint32]struct{})
+			}
+			if len(s.awaiting) >= maxAwaiting {
+				for id := range s.awaiting {
+					delete(s.awaiting, id) // that id is simply not reused
+					break
+				}
+			}
+			s.awaiting[st.id] = struct{}{}
+		}
+	}
+	s.mu.Unlock()
+	s.checkIdle(false)
+}
+
 // retire forgets st as a live stream: it was closed locally and holds no
 // shared memory any more.
 func (s *Session) retire(st *Stream) {
@@ -496,6 +532,13 @@ func (s *Session) recvLoop() {
 	for {
 		if _, err := io.ReadFull(r, hdr[:]); err != nil {
 			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+				// The peer may have put events (data, closes) and closed
+				// the connection before its Polling went out (the Rust
+				// crate's SessionManager::close does): deliver them.
+				if derr := s.drain(); derr != nil && !errors.Is(derr, ErrSessionClosed) {
+					s.fail(&SessionError{Op: "read", Err: derr})
+					return
+				}
 				err = ErrPeerClosed
 			}
 			s.fail(&SessionError{Op: "read", Err: err})
@@ -623,6 +666,13 @@ func (s *Session) dispatchLocked(ev queue.Event, data []byte) error {
 	st := s.streams[ev.StreamID]
 	if st == nil {
 		if s.isClient || state != stateOpen || ev.StreamID == 0 || s.err != nil {
+			if _, ok := s.awaiting[ev.StreamID]; ok && state == stateClosed {
+				// The peer answered the close of a stream we forgot.
+				delete(s.awaiting, ev.StreamID)
+				if s.err == nil {
+					s.freeIDs = append(s.freeIDs, ev.StreamID)
+				}
+			}
 			s.mu.Unlock()
 			// Data for a stream we do not know: recycle it.
 			if ev.Offset != 0 {
@@ -755,8 +805,13 @@ func (s *Session) sendCloseLocked(id uint32, viaSocket bool) (onSocket bool) {
 		}
 		s.ctr.queueFull.Add(1)
 	}
+	// A Polling first: the peer may handle StreamClose without draining its
+	// receive queue (the Rust crate does), and events of this stream may
+	// still be in it.
 	s.ctlMu.Lock()
-	s.scratch = AppendStreamClose(s.scratch[:0], s.version, id)
+	s.scratch = append(s.scratch[:0], s.pollMsg...)
+	s.ctr.wakeupsSent.Add(1)
+	s.scratch = AppendStreamClose(s.scratch, s.version, id)
 	err := s.writeCtlLocked(s.scratch)
 	s.ctlMu.Unlock()
 	if err != nil {
@@ -766,11 +821,20 @@ func (s *Session) sendCloseLocked(id uint32, viaSocket bool) (onSocket bool) {
 }
 
 // writeFallback sends data for stream id as one FallbackData message
-// (PROTOCOL.md section 1.2).
-func (s *Session) writeFallback(id uint32, data []byte) error {
+// (PROTOCOL.md section 1.2), after a Polling if poll is set. A stream sets
+// poll on its first FallbackData after events: a peer may handle
+// FallbackData without draining its receive queue first (the Rust crate
+// does), so the Polling makes it drain the stream's earlier events before
+// it reads these bytes.
+func (s *Session) writeFallback(id uint32, data []byte, poll bool) error {
 	s.ctlMu.Lock()
 	defer s.ctlMu.Unlock()
-	s.scratch = AppendFallbackHeader(s.scratch[:0], s.version, id, stateOpen, len(data))
+	s.scratch = s.scratch[:0]
+	if poll {
+		s.scratch = append(s.scratch, s.pollMsg...)
+		s.ctr.wakeupsSent.Add(1)
+	}
+	s.scratch = AppendFallbackHeader(s.scratch, s.version, id, stateOpen, len(data))
 	bufs := net.Buffers{s.scratch, data}
 	if _, err := bufs.WriteTo(s.conn); err != nil {
 		s.fail(&SessionError{Op: "write", Err: err})

@@ -62,6 +62,7 @@ type Stream struct {
 	w         buffer.ChainWriter
 	pending   []byte // reserved bytes that did not fit in shared memory
 	viaSocket bool   // data went as FallbackData: keep it there (see writeSome)
+	queued    bool   // events were put since the last FallbackData (see writeFallback)
 }
 
 func newStream(s *Session, id uint32) *Stream {
@@ -576,9 +577,10 @@ func (st *Stream) writeSome(p []byte) (int, error) {
 		st.viaSocket = true
 	}
 	k := min(len(p), maxFallbackChunk)
-	if err := s.writeFallback(st.id, p[:k]); err != nil {
+	if err := s.writeFallback(st.id, p[:k], st.queued); err != nil {
 		return 0, err
 	}
+	st.queued = false
 	return k, nil
 }
 
@@ -596,6 +598,7 @@ func (st *Stream) publishLocked() error {
 		return err
 	}
 	st.s.ctr.bytesSent.Add(uint64(size))
+	st.queued = true
 	return nil
 }
 
@@ -677,7 +680,9 @@ func (st *Stream) flushLocked() error {
 	for len(st.pending) > 0 {
 		st.viaSocket = true
 		k := min(len(st.pending), maxFallbackChunk)
-		if err := s.writeFallback(st.id, st.pending[:k]); err != nil {
+		err := s.writeFallback(st.id, st.pending[:k], st.queued)
+		st.queued = false
+		if err != nil {
 			st.pending = st.pending[:0]
 			return err
 		}
@@ -759,6 +764,8 @@ func (st *Stream) Close() error {
 	}
 	if s.Err() != nil {
 		s.unroute(st, false) // no close will come from the peer
+	} else if s.isClient {
+		s.forgetClosed(st)
 	}
 	s.retire(st)
 	return nil
