@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strings"
 )
 
 var (
@@ -44,14 +45,20 @@ var (
 	ErrPeerClosed = errors.New("shmlink: peer closed the session")
 )
 
-// ConfigError reports a Config field that Validate rejected.
+// ConfigError reports a configuration field that was rejected: a Config
+// field by Config.Validate, or a field of another type, such as
+// shmlink.Dialer's, whose name is then qualified ("Dialer.MaxSessions").
 type ConfigError struct {
-	Field  string // name of the Config field
+	Field  string // name of the Config field, or Type.Field for another type
 	Reason string // what is wrong with it
 }
 
-// Error returns "shmlink: bad Config.<Field>: <Reason>".
+// Error returns "shmlink: bad Config.<Field>: <Reason>", or "shmlink: bad
+// <Field>: <Reason>" for a qualified Field.
 func (e *ConfigError) Error() string {
+	if strings.Contains(e.Field, ".") {
+		return "shmlink: bad " + e.Field + ": " + e.Reason
+	}
 	return "shmlink: bad Config." + e.Field + ": " + e.Reason
 }
 
