@@ -1,6 +1,7 @@
 package shmlink
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -109,23 +110,33 @@ func (l *Listener) Addr() net.Addr { return l.ln.Addr() }
 // and the underlying listener's error if that failed.
 func (l *Listener) Accept() (net.Conn, error) {
 	select {
-	case st := <-l.accepts:
-		return st, nil
 	case <-l.done:
+	default:
+		select {
+		case st := <-l.accepts:
+			return st, nil
+		case <-l.done:
+		}
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.err != nil {
 		return nil, l.err
 	}
-	return nil, &net.OpError{Op: "accept", Net: l.ln.Addr().Network(), Addr: l.ln.Addr(), Err: net.ErrClosed}
+	return nil, l.closedError("accept")
+}
+
+// closedError is the error of op on a closed listener.
+func (l *Listener) closedError(op string) error {
+	return &net.OpError{Op: op, Net: l.ln.Addr().Network(), Addr: l.ln.Addr(), Err: net.ErrClosed}
 }
 
 // Close stops listening and closes every session the listener accepted,
 // with all their streams; it waits for the listener's goroutines and
-// returns the error of closing the socket.
+// returns the error of closing the socket. Later calls return an error
+// satisfying errors.Is(err, net.ErrClosed), like a net.Listener's.
 func (l *Listener) Close() error {
-	var err error
+	err := l.closedError("close")
 	l.closeOnce.Do(func() {
 		l.stop()
 		err = l.ln.Close()
@@ -195,6 +206,13 @@ func (l *Listener) serve(conn net.Conn) {
 		l.mu.Lock()
 		delete(l.sessions, s)
 		l.mu.Unlock()
+		// Close may have collected the sessions after this one left the
+		// set: a listener that is done ends the session here too.
+		select {
+		case <-l.done:
+			s.Close()
+		default:
+		}
 	}()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -266,24 +284,104 @@ func dialSession(ctx context.Context, cfg *Config, network, address string) (*se
 	return session.Client(conn, cfg)
 }
 
-// Dialer opens streams to shmlink listeners and keeps one session per
-// address, so that many Dial calls share one handshake and one buffer
-// region. Its zero value is ready to use; Close it to end its sessions.
+// Defaults of a Dialer's session pool.
+const (
+	// DefaultMaxSessions is the most sessions a Dialer keeps per address.
+	DefaultMaxSessions = 4
+	// DefaultStreamsPerSession is the number of streams on each of its
+	// sessions at which a Dialer opens another session to the address.
+	DefaultStreamsPerSession = 256
+	// DefaultIdleTimeout is how long a Dialer keeps a session without any
+	// stream before closing it.
+	DefaultIdleTimeout = 90 * time.Second
+)
+
+// errDialerClosed is returned by a Dialer's dials after Close.
+var errDialerClosed = fmt.Errorf("shmlink: dialer closed: %w", net.ErrClosed)
+
+// Dialer opens streams to shmlink listeners over a small pool of sessions
+// per address, so that many dials share a few handshakes and buffer
+// regions, and dialing and closing a stream costs no system call beyond
+// the wakeups. A Dial uses the session with the fewest streams; once every
+// session has StreamsPerSession streams or more it opens another, up to
+// MaxSessions, and then keeps spreading over those. Stream ids are reused:
+// a closed stream's id returns to its session by itself once the server
+// closed the stream too. A session idle for IdleTimeout is closed.
+//
+// The zero value is ready to use. A Dialer is safe for concurrent use; its
+// fields must not change after the first Dial. Close it to end its
+// sessions.
 type Dialer struct {
 	// Config is used for every session the Dialer creates; nil means the
 	// defaults.
 	Config *Config
 
-	mu       sync.Mutex
-	sessions map[string]*dialEntry
-	closed   bool
+	// MaxSessions is the most sessions the Dialer keeps per network and
+	// address. Zero means DefaultMaxSessions (4); negative is invalid.
+	MaxSessions int
+
+	// StreamsPerSession is the number of open streams (including ones
+	// waiting for the server's close) on every session at which a Dial
+	// opens another session, while there are fewer than MaxSessions. It is
+	// a threshold, not a cap: at MaxSessions, streams keep going to the
+	// least loaded session. Zero means DefaultStreamsPerSession (256);
+	// negative is invalid.
+	StreamsPerSession int
+
+	// IdleTimeout is how long a session without any stream is kept before
+	// the Dialer closes it. Zero means DefaultIdleTimeout (90 s); negative
+	// means sessions are kept until Close.
+	IdleTimeout time.Duration
+
+	mu     sync.Mutex
+	pools  map[string]*sessionPool // by network + " " + address
+	closed bool
 }
 
-// dialEntry is one address's session, or the dial in progress for it.
-type dialEntry struct {
-	ready chan struct{} // closed when s or err is set
-	s     *session.Session
-	err   error
+// sessionPool is a Dialer's sessions to one address.
+type sessionPool struct {
+	sessions []*session.Session
+	dial     *dialCall // the dial in progress, if any
+}
+
+// dialCall is one dial of a new session, shared by the dials waiting on it.
+type dialCall struct {
+	done chan struct{} // closed when err is set
+	err  error
+}
+
+// leastLoaded drops the sessions that ended and returns the one with the
+// fewest streams and that number, or nil when none is left.
+func (p *sessionPool) leastLoaded() (*session.Session, int) {
+	live := p.sessions[:0]
+	var best *session.Session
+	load := 0
+	for _, s := range p.sessions {
+		if s.Err() != nil {
+			continue
+		}
+		live = append(live, s)
+		if n := s.NumStreams(); best == nil || n < load {
+			best, load = s, n
+		}
+	}
+	clear(p.sessions[len(live):])
+	p.sessions = live
+	return best, load
+}
+
+// validate checks the Dialer's fields and its Config.
+func (d *Dialer) validate() error {
+	switch {
+	case d.MaxSessions < 0:
+		return &session.ConfigError{Field: "Dialer.MaxSessions", Reason: "negative"}
+	case d.StreamsPerSession < 0:
+		return &session.ConfigError{Field: "Dialer.StreamsPerSession", Reason: "negative"}
+	}
+	if d.Config != nil {
+		return d.Config.Validate()
+	}
+	return nil
 }
 
 // Dial opens a stream to address; see DialContext.
@@ -291,114 +389,141 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 	return d.DialContext(context.Background(), network, address)
 }
 
-// DialContext opens a stream on the Dialer's session to network/address,
-// dialing and handshaking a new session first if there is none or the last
-// one ended. Concurrent calls for one address share one dial. It returns
-// ErrNetwork for networks other than "unix" and "tcp", net.ErrClosed after
-// Close, ctx.Err() when ctx is done first, and the dial or handshake error.
+// DialContext opens a stream to network ("unix" or "tcp") and address on
+// one of the Dialer's sessions, dialing and handshaking a new session when
+// the pool calls for one (see Dialer). Concurrent dials share one
+// handshake. The stream is announced to the server, whose Accept returns
+// it before any byte is written. It returns ErrNetwork for other networks,
+// a *ConfigError for a bad field, an error satisfying errors.Is(err,
+// net.ErrClosed) after Close, ctx.Err() when ctx is done first, and the
+// dial or handshake error.
 func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
-	for attempt := 0; ; attempt++ {
-		s, err := d.session(ctx, network, address)
-		if err != nil {
+	if err := checkNetwork(network); err != nil {
+		return nil, err
+	}
+	if err := d.validate(); err != nil {
+		return nil, err
+	}
+	key := network + " " + address
+	var err error
+	for range 3 {
+		var s *session.Session
+		if s, err = d.pick(ctx, key, network, address); err != nil {
 			return nil, err
 		}
-		st, err := s.OpenStream(ctx)
-		if err == nil {
+		var st *Stream
+		if st, err = s.OpenStream(ctx); err == nil {
 			return st, nil
 		}
-		if attempt > 0 || s.Err() == nil {
+		if s.Err() == nil || ctx.Err() != nil {
 			return nil, err
 		}
-		// The session died since it was dialed: drop it and dial afresh once.
-		d.forget(network+" "+address, s)
+		// The session ended since it was picked (idle timeout, peer gone):
+		// pick again.
 	}
+	return nil, err
 }
 
-func (d *Dialer) session(ctx context.Context, network, address string) (*session.Session, error) {
-	key := network + " " + address
-	d.mu.Lock()
-	if d.closed {
-		d.mu.Unlock()
-		return nil, fmt.Errorf("shmlink: dialer closed: %w", net.ErrClosed)
-	}
-	if d.sessions == nil {
-		d.sessions = make(map[string]*dialEntry)
-	}
-	e := d.sessions[key]
-	if e != nil {
-		d.mu.Unlock()
-		select {
-		case <-e.ready:
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		}
-		if e.err == nil && e.s.Err() == nil {
-			return e.s, nil
-		}
+// pick returns the session for the next stream to key, dialing one when
+// the pool has none or all its sessions are loaded and it may grow.
+func (d *Dialer) pick(ctx context.Context, key, network, address string) (*session.Session, error) {
+	maxSessions := cmp.Or(d.MaxSessions, DefaultMaxSessions)
+	perSession := cmp.Or(d.StreamsPerSession, DefaultStreamsPerSession)
+	for {
 		d.mu.Lock()
-		if d.sessions[key] == e {
-			delete(d.sessions, key)
+		if d.closed {
+			d.mu.Unlock()
+			return nil, errDialerClosed
 		}
+		if d.pools == nil {
+			d.pools = make(map[string]*sessionPool)
+		}
+		p := d.pools[key]
+		if p == nil {
+			p = &sessionPool{}
+			d.pools[key] = p
+		}
+		best, load := p.leastLoaded()
+		if best != nil && (load < perSession || p.dial != nil || len(p.sessions) >= maxSessions) {
+			d.mu.Unlock()
+			return best, nil
+		}
+		if call := p.dial; call != nil {
+			// No session yet: wait for the dial in progress.
+			d.mu.Unlock()
+			select {
+			case <-call.done:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			if call.err != nil && !errors.Is(call.err, context.Canceled) && !errors.Is(call.err, context.DeadlineExceeded) {
+				return nil, call.err
+			}
+			continue // it succeeded, or failed for its own context
+		}
+		call := &dialCall{done: make(chan struct{})}
+		p.dial = call
 		d.mu.Unlock()
-		if e.err != nil {
-			return nil, e.err
-		}
-		return d.session(ctx, network, address)
-	}
-	e = &dialEntry{ready: make(chan struct{})}
-	d.sessions[key] = e
-	d.mu.Unlock()
 
-	e.s, e.err = dialSession(ctx, d.Config, network, address)
-	close(e.ready)
-	if e.err != nil {
-		d.forget(key, nil)
-		return nil, e.err
-	}
-	d.mu.Lock()
-	closed := d.closed
-	d.mu.Unlock()
-	if closed {
-		e.s.Close()
-		return nil, fmt.Errorf("shmlink: dialer closed: %w", net.ErrClosed)
-	}
-	return e.s, nil
-}
-
-// forget drops the entry for key if it still holds s (or failed, s nil).
-func (d *Dialer) forget(key string, s *session.Session) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if e := d.sessions[key]; e != nil && (e.s == s || e.err != nil) {
-		delete(d.sessions, key)
-		if s != nil {
-			go s.Close()
+		s, err := dialSession(ctx, d.Config, network, address)
+		d.mu.Lock()
+		p.dial = nil
+		switch {
+		case err != nil:
+		case d.closed:
+			err = errDialerClosed
+		default:
+			s.SetIdleTimeout(cmp.Or(d.IdleTimeout, DefaultIdleTimeout))
+			p.sessions = append(p.sessions, s)
 		}
+		if len(p.sessions) == 0 && d.pools[key] == p {
+			delete(d.pools, key)
+		}
+		call.err = err
+		d.mu.Unlock()
+		close(call.done)
+		if err != nil {
+			if s != nil {
+				s.Close()
+			}
+			return nil, err
+		}
+		return s, nil
 	}
 }
 
 // Close ends every session of the Dialer, with all their streams, and makes
-// later dials fail with net.ErrClosed. It returns nil.
+// later dials fail with an error satisfying errors.Is(err, net.ErrClosed).
+// A dial in progress closes its session when it completes. Close returns
+// nil.
 func (d *Dialer) Close() error {
 	d.mu.Lock()
 	d.closed = true
-	entries := d.sessions
-	d.sessions = nil
+	pools := d.pools
+	d.pools = nil
 	d.mu.Unlock()
-	for _, e := range entries {
-		<-e.ready
-		if e.s != nil {
-			e.s.Close()
+	for _, p := range pools {
+		for _, s := range p.sessions {
+			s.Close()
 		}
 	}
 	return nil
 }
 
-// NumSessions returns the number of sessions the Dialer holds.
+// NumSessions returns the number of live sessions the Dialer holds, over
+// all addresses.
 func (d *Dialer) NumSessions() int {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return len(d.sessions)
+	n := 0
+	for key, p := range d.pools {
+		p.leastLoaded()
+		if len(p.sessions) == 0 && p.dial == nil {
+			delete(d.pools, key)
+		}
+		n += len(p.sessions)
+	}
+	return n
 }
 
 // MemoryType selects memfd or file-backed shared memory; see

@@ -137,7 +137,8 @@ func TestTwoProcessConcurrentStreams(t *testing.T) {
 			for err := range errs {
 				t.Error(err)
 			}
-			require.Equal(t, 1, d.NumSessions())
+			n := d.NumSessions()
+			require.True(t, n >= 1 && n <= shmlink.DefaultMaxSessions, "%d sessions", n)
 		})
 	}
 }
