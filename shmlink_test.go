@@ -143,8 +143,10 @@ func TestTwoProcessConcurrentStreams(t *testing.T) {
 	}
 }
 
-// A region too small for the traffic forces FallbackData; the bytes must
-// still arrive intact and in order.
+// A region too small for the traffic: a client with Config.Fallback sends
+// what does not fit as FallbackData, while the server (default Config)
+// waits for free slices instead; either way the bytes arrive intact and in
+// order.
 func TestTwoProcessFallback(t *testing.T) {
 	for _, tr := range transports {
 		t.Run(tr.name, func(t *testing.T) {
@@ -154,6 +156,7 @@ func TestTwoProcessFallback(t *testing.T) {
 				SizeClasses: []buffer.SizeClass{{SliceSize: 4076, Percent: 100}},
 				MemoryType:  tr.memory,
 				ShmDir:      p.shmDir,
+				Fallback:    true,
 			}
 			conn, err := net.Dial(tr.network, p.addr)
 			require.NoError(t, err)
@@ -169,7 +172,40 @@ func TestTwoProcessFallback(t *testing.T) {
 			}
 			st := s.Stats()
 			require.NotZero(t, st.FallbackWrites, "the client never fell back: %+v", st)
-			require.NotZero(t, st.FallbackReads, "the server never fell back: %+v", st)
+			require.Zero(t, st.FallbackReads, "the server fell back: %+v", st)
+		})
+	}
+}
+
+// With the default Config a writer that finds shared memory exhausted waits
+// for the reader to free slices (backpressure): nothing goes over the
+// socket. (session's TestBackpressureDeadline has a write deadline end the
+// wait.)
+func TestTwoProcessBackpressure(t *testing.T) {
+	for _, tr := range transports {
+		t.Run(tr.name, func(t *testing.T) {
+			p := startPeer(t, tr)
+			cfg := shmlink.Config{
+				BufferSize:  64 << 10,
+				SizeClasses: []buffer.SizeClass{{SliceSize: 4076, Percent: 100}},
+				MemoryType:  tr.memory,
+				ShmDir:      p.shmDir,
+			}
+			conn, err := net.Dial(tr.network, p.addr)
+			require.NoError(t, err)
+			s, err := session.Client(conn, &cfg)
+			require.NoError(t, err)
+			defer s.Close()
+			c, err := s.OpenStream(context.Background())
+			require.NoError(t, err)
+			command(t, c, cmdEcho, 0)
+			require.NoError(t, echo(c, 3<<20, 7))
+			st := s.Stats()
+			require.Zero(t, st.FallbackWrites, "%+v", st)
+			require.Zero(t, st.FallbackReads, "%+v", st)
+			require.NotZero(t, st.MemoryFull, "the region never filled: %+v", st)
+
+			require.NoError(t, c.Close())
 		})
 	}
 }

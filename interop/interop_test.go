@@ -128,7 +128,7 @@ func goClientRustServer(t *testing.T, m mode, c testCase) {
 	}
 	srv := startRustServer(t, extra...)
 	shmDir := shmDir(t)
-	cfg := shmlink.Config{MemoryType: m.memory, ShmDir: shmDir}
+	cfg := shmlink.Config{MemoryType: m.memory, ShmDir: shmDir, Fallback: c.tiny}
 	if c.tiny {
 		cfg.BufferSize = goTinyRegion
 		cfg.SizeClasses = []buffer.SizeClass{{SliceSize: tinySlice, Percent: 100}}
@@ -347,7 +347,7 @@ func startEchoServer(t *testing.T, network, shmDir string, c testCase) *echoServ
 	if network == "unix" {
 		addr = filepath.Join(t.TempDir(), "s.sock")
 	}
-	lc := shmlink.ListenConfig{Config: &shmlink.Config{ShmDir: shmDir}}
+	lc := shmlink.ListenConfig{Config: &shmlink.Config{ShmDir: shmDir, Fallback: c.tiny}}
 	ln, err := lc.Listen(context.Background(), network, addr)
 	require.NoError(t, err)
 	s := &echoServer{ln: ln, c: c, done: make(chan streamResult, c.streams)}

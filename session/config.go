@@ -51,6 +51,12 @@ const (
 	// DefaultAcceptBacklog is how many opened streams a server session holds
 	// for AcceptStream before it refuses new ones (by closing them).
 	DefaultAcceptBacklog = 4096
+	// DefaultPollTime is how long a reader waiting for data polls shared
+	// memory after the last event before it sleeps until a wakeup.
+	DefaultPollTime = 50 * time.Microsecond
+	// DefaultStreamHeapLimit is how many unread bytes a stream may copy
+	// out of shared memory to the heap (see Config.StreamHeapLimit).
+	DefaultStreamHeapLimit = 16 << 20
 	// DefaultQueueFullTimeout is how long a writer waits for room in a full
 	// IO queue before its write fails with ErrQueueFull.
 	DefaultQueueFullTimeout = 5 * time.Second
@@ -100,6 +106,39 @@ type Config struct {
 	// before failing with ErrQueueFull, unless its deadline comes first.
 	// Default DefaultQueueFullTimeout (5 s).
 	QueueFullTimeout time.Duration
+
+	// Fallback makes a writer that finds the buffer region exhausted send
+	// its bytes over the control connection as FallbackData (PROTOCOL.md
+	// section 1.2) at once, instead of waiting for the peer to free slices;
+	// the stream then stays on the socket, to keep its bytes in order. The
+	// default (false) is backpressure: the writer waits, until its write
+	// deadline, the stream's or session's end, or free slices.
+	Fallback bool
+
+	// PollTime is how long a reader waiting for data keeps polling the
+	// receive queue in shared memory, after the last event it saw, before
+	// it sleeps until the peer's wakeup message. While it polls, the peer
+	// sends no wakeups, so a message costs no system call; the price is a
+	// busy CPU for up to PollTime after traffic stops. Default
+	// DefaultPollTime (50 µs); negative turns polling off (every wait
+	// sleeps, every message after a pause costs a wakeup).
+	PollTime time.Duration
+
+	// StreamMemoryLimit is how many unread bytes one stream may hold in the
+	// buffer region (counted on the receiving side). A message that would
+	// take a stream past it is copied to the heap on arrival and its slices
+	// are freed at once, so a reader that stalls cannot starve the other
+	// streams, or the opposite direction, of shared memory. Default (0): a
+	// quarter of the region; negative: no limit.
+	StreamMemoryLimit int
+
+	// StreamHeapLimit is how many unread bytes one stream may hold in the
+	// heap after copying them out of shared memory (see StreamMemoryLimit).
+	// Past it messages stay in shared memory, the region fills, and the
+	// peer's writers wait for space (or fall back, by their Config). Bytes
+	// that arrive as FallbackData are always taken. Default
+	// DefaultStreamHeapLimit (16 MiB); negative: nothing is copied out.
+	StreamHeapLimit int
 
 	// Logger receives session events (handshakes, protocol errors). Nil
 	// means silent.
@@ -180,6 +219,12 @@ func (c *Config) withDefaults() Config {
 	}
 	if out.QueueFullTimeout == 0 {
 		out.QueueFullTimeout = DefaultQueueFullTimeout
+	}
+	if out.StreamHeapLimit == 0 {
+		out.StreamHeapLimit = DefaultStreamHeapLimit
+	}
+	if out.PollTime == 0 {
+		out.PollTime = DefaultPollTime
 	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)

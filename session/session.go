@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"runtime"
 	"sync"
@@ -41,11 +42,22 @@ type Session struct {
 	version  uint8
 	pollMsg  []byte // the encoded Polling message
 	maxLinks int    // slices in the buffer region: the longest possible chain
+	// shmLimit and heapLimit bound a stream's unread bytes in the region
+	// and copied out of it (Config.StreamMemoryLimit, StreamHeapLimit).
+	shmLimit, heapLimit int
 
 	// memMu guards the mappings: holders of the read lock may touch shared
 	// memory; release takes the write lock to unmap.
-	memMu    sync.RWMutex
-	mem      *memory // nil once released
+	memMu sync.RWMutex
+	mem   *memory // nil once released
+	// drainMu is held by whoever pops the receive queue and dispatches
+	// what it popped: the receive loop after a wakeup, or a reader polling
+	// for its data (Stream.poll). The queue has one consumer at a time and
+	// events reach their streams in queue order.
+	drainMu sync.Mutex
+	// polling is set while a reader polls the receive queue holding its
+	// working flag at 1 (at most one reader per session does).
+	polling  atomic.Bool
 	sendMu   sync.Mutex
 	ctlMu    sync.Mutex // serializes writes on conn
 	scratch  []byte     // message buffer, guarded by ctlMu
@@ -142,6 +154,13 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 	for _, l := range mem.region.Lists() {
 		s.maxLinks += int(l.Cap)
 	}
+	switch s.shmLimit = c.StreamMemoryLimit; {
+	case s.shmLimit == 0:
+		s.shmLimit = mem.region.Len() / 4
+	case s.shmLimit < 0:
+		s.shmLimit = math.MaxInt
+	}
+	s.heapLimit = max(c.StreamHeapLimit, 0)
 	c.Logger.Debug("shmlink: session started", "client", isClient, "version", version,
 		"remote", conn.RemoteAddr(), "buffer", len(mem.bufMem), "queue_cap", mem.send.Cap())
 	go s.recvLoop()
@@ -615,14 +634,26 @@ func (s *Session) handle(h Header, payload []byte) error {
 }
 
 // drain pops every event of the receive queue and dispatches it, then
-// clears the working flag and re-checks, so that no event is stranded
-// without a wakeup (PROTOCOL.md section 3.3).
+// settles the working flag (see drainLocked).
 func (s *Session) drain() error {
+	s.drainMu.Lock()
+	defer s.drainMu.Unlock()
 	s.memMu.RLock()
 	defer s.memMu.RUnlock()
 	if s.mem == nil {
 		return ErrSessionClosed
 	}
+	return s.drainLocked(true)
+}
+
+// drainLocked pops every event of the receive queue and dispatches it.
+// With settle set it then clears the working flag and checks the queue
+// again, draining anew if an event came meanwhile, so that no event is
+// stranded without a wakeup (PROTOCOL.md section 3.3); but while a reader
+// polls the queue the flag stays at 1, and that reader settles it when it
+// stops. The caller holds drainMu and memMu's read lock with the memory
+// mapped.
+func (s *Session) drainLocked(settle bool) error {
 	recv := s.mem.recv
 	for {
 		for {
@@ -637,6 +668,9 @@ func (s *Session) drain() error {
 			if err := s.dispatchLocked(ev, nil); err != nil {
 				return err
 			}
+		}
+		if !settle || s.polling.Load() {
+			return nil
 		}
 		recv.ClearWorking()
 		if recv.Empty() {

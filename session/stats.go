@@ -14,6 +14,8 @@ type Stats struct {
 	FallbackWrites  uint64 // FallbackData messages sent
 	FallbackReads   uint64 // FallbackData messages received
 	QueueFull       uint64 // puts that found the send queue full
+	MemoryFull      uint64 // writes that found the buffer region exhausted
+	Spilled         uint64 // bytes received that were copied out of shared memory (Config.StreamMemoryLimit)
 	ActiveStreams   int    // streams the session tracks now
 	SlicesInUse     []int  // allocated slices per buffer list, by both sides
 }
@@ -24,7 +26,8 @@ type counters struct {
 	eventsSent, eventsReceived   atomic.Uint64
 	wakeupsSent, wakeupsReceived atomic.Uint64
 	fallbackWrites, fallbackRead atomic.Uint64
-	queueFull                    atomic.Uint64
+	queueFull, memoryFull        atomic.Uint64
+	spilled                      atomic.Uint64
 }
 
 // Stats returns a snapshot of the session's counters. SlicesInUse is nil
@@ -40,6 +43,8 @@ func (s *Session) Stats() Stats {
 		FallbackWrites:  s.ctr.fallbackWrites.Load(),
 		FallbackReads:   s.ctr.fallbackRead.Load(),
 		QueueFull:       s.ctr.queueFull.Load(),
+		MemoryFull:      s.ctr.memoryFull.Load(),
+		Spilled:         s.ctr.spilled.Load(),
 		ActiveStreams:   s.NumStreams(),
 	}
 	s.memMu.RLock()

@@ -47,6 +47,7 @@ type Stream struct {
 	recv          []chunk // FIFO from rhead
 	rhead         int
 	buffered      int           // unread bytes in recv
+	shm           int           // unread bytes of recv in shared memory
 	held          []uint32      // consumed slices with a zero-copy view out
 	remoteClosed  bool          // the peer's close arrived
 	closed        bool          // Close was called
@@ -154,10 +155,6 @@ func (st *Stream) pushChain(off uint32) error {
 		}
 		total += len(p)
 	}
-	p, next, hasNext, err := region.Payload(off)
-	if err != nil {
-		return err
-	}
 	st.mu.Lock()
 	if st.closed || total == 0 {
 		// Nothing to read: a closed stream drops its data, and an empty
@@ -167,8 +164,35 @@ func (st *Stream) pushChain(off uint32) error {
 		return err
 	}
 	st.s.ctr.bytesReceived.Add(uint64(total))
+	if st.shm+total > st.s.shmLimit && st.buffered-st.shm+total <= st.s.heapLimit {
+		// Over the stream's share of shared memory: copy the message out
+		// and free its slices now, so that a stalled reader holds heap,
+		// not slices the other streams need.
+		data := make([]byte, 0, total)
+		cr.Reset(region, off) // cannot fail: it did above
+		for {
+			p, _, err := cr.Next()
+			if err != nil {
+				break // io.EOF: the walk above saw the same chain
+			}
+			data = append(data, p...)
+		}
+		st.recv = append(st.recv, chunk{data: data, remain: len(data)})
+		st.buffered += len(data)
+		st.mu.Unlock()
+		st.s.ctr.spilled.Add(uint64(len(data)))
+		st.notifyRead()
+		_, err := region.FreeChain(off)
+		return err
+	}
+	p, next, hasNext, err := region.Payload(off)
+	if err != nil {
+		st.mu.Unlock()
+		return err
+	}
 	st.recv = append(st.recv, chunk{off: off, data: p, next: next, hasNext: hasNext, remain: total, links: 1})
 	st.buffered += total
+	st.shm += total
 	st.mu.Unlock()
 	st.notifyRead()
 	return nil
@@ -248,6 +272,9 @@ func (st *Stream) waitReadable(want int) error {
 			return errDeadline
 		default:
 		}
+		if st.poll(want) {
+			continue
+		}
 		select {
 		case <-st.readCh:
 		case <-s.dead:
@@ -255,6 +282,81 @@ func (st *Stream) waitReadable(want int) error {
 		case <-st.rdl.wait():
 		}
 	}
+}
+
+// pollBatch is how many times Stream.poll checks the queue between its
+// checks of the clock, deadlines and the session's end.
+const pollBatch = 64
+
+// poll waits for want bytes (or the stream's end) by polling the receive
+// queue itself, dispatching what it pops to every stream, for as long as
+// events keep coming and then Config.PollTime more. Meanwhile it holds the
+// queue's working flag at 1, so the peer sends no wakeup (PROTOCOL.md
+// section 3.3): while traffic flows a message costs no system call and no
+// goroutine switch on either side. One reader per session polls; poll
+// returns false at once in the others, and when its time runs out; true
+// when st may be readable, ended, closed or past its read deadline.
+func (st *Stream) poll(want int) bool {
+	s := st.s
+	if s.cfg.PollTime <= 0 || !s.polling.CompareAndSwap(false, true) {
+		return false
+	}
+	defer func() {
+		s.polling.Store(false)
+		// Settle the working flag: clear it, then drain what came meanwhile.
+		if err := s.drain(); err != nil && !errors.Is(err, ErrSessionClosed) {
+			s.fail(&SessionError{Op: "read", Err: err})
+		}
+	}()
+	idleSince := time.Now()
+	for {
+		s.memMu.RLock()
+		if s.mem == nil {
+			s.memMu.RUnlock()
+			return true
+		}
+		recv := s.mem.recv
+		recv.SetWorking()
+		for range pollBatch {
+			if st.readyFor(want) {
+				s.memMu.RUnlock()
+				return true
+			}
+			if recv.Empty() || !s.drainMu.TryLock() {
+				continue
+			}
+			err := s.drainLocked(false)
+			s.drainMu.Unlock()
+			if err != nil {
+				s.memMu.RUnlock()
+				s.fail(&SessionError{Op: "read", Err: err})
+				return true
+			}
+			idleSince = time.Now()
+		}
+		s.memMu.RUnlock()
+		select {
+		case <-s.dead:
+			return true
+		case <-st.closedCh:
+			return true
+		case <-st.rdl.wait():
+			return true
+		default:
+		}
+		if time.Since(idleSince) > s.cfg.PollTime {
+			return false
+		}
+		// Let the process's other goroutines run; the peer runs on its own.
+		runtime.Gosched()
+	}
+}
+
+// readyFor reports whether a reader waiting for want bytes can go on.
+func (st *Stream) readyFor(want int) bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.buffered >= want || st.remoteClosed || st.closed
 }
 
 // Read reads up to len(p) bytes; see net.Conn. After the peer's Close it
@@ -294,6 +396,9 @@ func (st *Stream) consumeLocked(p []byte, n int) (int, error) {
 		c.data = c.data[k:]
 		c.remain -= k
 		st.buffered -= k
+		if c.off != 0 {
+			st.shm -= k
+		}
 		done += k
 		if len(c.data) == 0 {
 			if err := st.advanceLocked(c); err != nil {
@@ -347,6 +452,9 @@ func (st *Stream) advanceLocked(c *chunk) error {
 func (st *Stream) dropHeadLocked() {
 	c := &st.recv[st.rhead]
 	st.buffered -= c.remain
+	if c.off != 0 {
+		st.shm -= c.remain
+	}
 	*c = chunk{}
 	st.rhead++
 	if st.rhead == len(st.recv) {
@@ -489,10 +597,12 @@ func (st *Stream) Buffered() int {
 // ---- write side ----
 
 // Write writes p to the stream; see net.Conn. Data goes into slices of
-// shared memory, one event per chain of up to 4 MiB, and as FallbackData
-// over the control connection when shared memory is exhausted. p is not
-// retained. It returns ErrStreamClosed after Close, ErrWriteClosed after
-// CloseWrite, a deadline error (Timeout() true) after the write deadline, ErrQueueFull if the peer leaves the IO queue full for
+// shared memory, one event per chain of up to 4 MiB. When the buffer region
+// is exhausted Write waits for the peer to free slices (backpressure), or,
+// with Config.Fallback, sends the rest over the control connection as
+// FallbackData. p is not retained. It returns ErrStreamClosed after Close,
+// ErrWriteClosed after CloseWrite, a deadline error (Timeout() true) after
+// the write deadline, ErrQueueFull if the peer leaves the IO queue full for
 // Config.QueueFullTimeout, and the session's error if it ended. Bytes
 // counted in n were handed to the peer.
 func (st *Stream) Write(p []byte) (int, error) {
@@ -550,10 +660,12 @@ func (st *Stream) writeSome(p []byte) (int, error) {
 		}
 		st.w.Reset(s.mem.region)
 		k, err := st.w.Write(p[:min(len(p), maxEventBytes)])
-		for tries := 0; k == 0 && errors.Is(err, buffer.ErrNoSpace) && tries < 32; tries++ {
-			// Shared memory is full: give the reader a moment to recycle.
+		for tries := 0; k == 0 && errors.Is(err, buffer.ErrNoSpace) && !s.cfg.Fallback; tries++ {
+			// Shared memory is exhausted: wait for the peer to free slices.
 			s.memMu.RUnlock()
-			runtime.Gosched()
+			if err := st.waitSpace(tries); err != nil {
+				return 0, err
+			}
 			s.memMu.RLock()
 			if s.mem == nil {
 				s.memMu.RUnlock()
@@ -574,6 +686,7 @@ func (st *Stream) writeSome(p []byte) (int, error) {
 			s.fail(&SessionError{Op: "write", Err: err})
 			return 0, s.Err()
 		}
+		s.ctr.memoryFull.Add(1)
 		st.viaSocket = true
 	}
 	k := min(len(p), maxFallbackChunk)
@@ -582,6 +695,25 @@ func (st *Stream) writeSome(p []byte) (int, error) {
 	}
 	st.queued = false
 	return k, nil
+}
+
+// waitSpace backs off after the tries-th attempt to get a slice found the
+// buffer region exhausted: it yields at first, then sleeps, growing from
+// 4 µs to 256 µs, since the peer's reader frees slices without telling us.
+// It returns why the write cannot go on, or nil to try again.
+func (st *Stream) waitSpace(tries int) error {
+	if tries == 0 {
+		st.s.ctr.memoryFull.Add(1)
+	}
+	if err := st.writeCheck(); err != nil {
+		return err
+	}
+	if tries < 16 {
+		runtime.Gosched()
+		return nil
+	}
+	time.Sleep(time.Duration(4<<min(tries-16, 6)) * time.Microsecond)
+	return st.writeCheck()
 }
 
 // publishLocked finishes the chain in st.w and puts its event. On failure
@@ -604,10 +736,12 @@ func (st *Stream) publishLocked() error {
 
 // Reserve returns n contiguous bytes to fill in place; they are sent, after
 // any bytes reserved before, by the next Flush or Write. The memory lies in
-// a slice of shared memory (zero copy) when one is free, and on the heap
-// otherwise; either way it belongs to the stream and must not be used after
-// that Flush, Write or Close. Errors are Write's; n must be in
-// [1, Session's largest slice size].
+// a slice of shared memory (zero copy); when the region is exhausted the
+// first Reserve after a Flush waits for space like Write (unless
+// Config.Fallback), and later ones, whose earlier bytes may not be filled
+// yet, return heap memory that Flush copies out. Either way it belongs to
+// the stream and must not be used after that Flush, Write or Close. Errors
+// are Write's; n must be in [1, Session's largest slice size].
 func (st *Stream) Reserve(n int) ([]byte, error) {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
@@ -624,10 +758,27 @@ func (st *Stream) Reserve(n int) ([]byte, error) {
 			s.memMu.RUnlock()
 			return nil, s.Err()
 		}
-		if st.w.Len() == 0 {
+		fresh := st.w.Len() == 0
+		if fresh {
 			st.w.Reset(s.mem.region)
 		}
 		b, err := st.w.Reserve(n)
+		// With nothing reserved yet, wait for the peer to free slices
+		// (unless Config.Fallback); bytes reserved before may be unfilled
+		// yet, so they cannot be sent to make room, and the rest goes to
+		// the heap until Flush.
+		for tries := 0; fresh && !s.cfg.Fallback && errors.Is(err, buffer.ErrNoSpace); tries++ {
+			s.memMu.RUnlock()
+			if err := st.waitSpace(tries); err != nil {
+				return nil, err
+			}
+			s.memMu.RLock()
+			if s.mem == nil {
+				s.memMu.RUnlock()
+				return nil, s.Err()
+			}
+			b, err = st.w.Reserve(n)
+		}
 		s.memMu.RUnlock()
 		if err == nil {
 			return b, nil
@@ -675,6 +826,17 @@ func (st *Stream) flushLocked() error {
 		if err != nil {
 			st.pending = st.pending[:0]
 			return err
+		}
+	}
+	if !s.cfg.Fallback && !st.viaSocket {
+		// Backpressure: the heap bytes go into shared memory as it frees.
+		for len(st.pending) > 0 {
+			k, err := st.writeSome(st.pending)
+			if err != nil {
+				st.pending = st.pending[:0]
+				return err
+			}
+			st.pending = st.pending[k:]
 		}
 	}
 	for len(st.pending) > 0 {
@@ -756,7 +918,7 @@ func (st *Stream) Close() error {
 		}
 		st.releaseHeldLocked()
 	}
-	st.recv, st.rhead, st.buffered, st.held = nil, 0, 0, nil
+	st.recv, st.rhead, st.buffered, st.shm, st.held = nil, 0, 0, 0, nil
 	st.mu.Unlock()
 	s.memMu.RUnlock()
 	if mustSend {

@@ -17,6 +17,12 @@ import (
 // a Unix socketpair with memfds (v3), closed when the test ends.
 func pair(t *testing.T, cfg *Config) (client, server *Session) {
 	t.Helper()
+	return pairWith(t, cfg, cfg)
+}
+
+// pairWith is pair with a Config for each side.
+func pairWith(t *testing.T, ccfg, scfg *Config) (client, server *Session) {
+	t.Helper()
 	cc, sc := socketPair(t)
 	type result struct {
 		s   *Session
@@ -24,10 +30,10 @@ func pair(t *testing.T, cfg *Config) (client, server *Session) {
 	}
 	done := make(chan result, 1)
 	go func() {
-		s, err := Server(sc, cfg)
+		s, err := Server(sc, scfg)
 		done <- result{s, err}
 	}()
-	client, err := Client(cc, cfg)
+	client, err := Client(cc, ccfg)
 	require.NoError(t, err)
 	r := <-done
 	require.NoError(t, r.err)
