@@ -448,6 +448,17 @@ func (r *Region) Slice(off uint32) (SliceHeader, error) {
 	return h, nil
 }
 
+// SliceSize returns the data capacity in bytes of the slices of the list
+// that holds absolute offset off (the slice size of PROTOCOL.md section
+// 2), or 0 if off is not a slice header. It reads no shared memory.
+func (r *Region) SliceSize(off uint32) int {
+	l, ok := r.locate(off)
+	if !ok {
+		return 0
+	}
+	return int(l.dataSize)
+}
+
 // Data returns the whole data area of the slice at absolute offset off:
 // its list's slice size in bytes, in shared memory, with len == cap. The
 // bytes are the caller's to write while it owns the slice (from Alloc until

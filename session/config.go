@@ -124,12 +124,16 @@ type Config struct {
 	// sleeps, every message after a pause costs a wakeup).
 	PollTime time.Duration
 
-	// StreamMemoryLimit is how many unread bytes one stream may hold in the
-	// buffer region (counted on the receiving side). A message that would
+	// StreamMemoryLimit is how many bytes of the buffer region one stream's
+	// unread messages may occupy, counted on the receiving side as the
+	// capacity of their slices (a 1-byte message takes a whole slice of
+	// the smallest size that fits). A message that would
 	// take a stream past it is copied to the heap on arrival and its slices
 	// are freed at once, so a reader that stalls cannot starve the other
-	// streams, or the opposite direction, of shared memory. Default (0): a
-	// quarter of the region; negative: no limit.
+	// streams, or the opposite direction, of shared memory. The unread
+	// bytes of all streams together are held to half the region the same
+	// way. Default (0): a quarter of the region; negative: no limit (on
+	// either).
 	StreamMemoryLimit int
 
 	// StreamHeapLimit is how many unread bytes one stream may hold in the

@@ -9,7 +9,9 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
@@ -50,6 +52,39 @@ func randomName() string {
 	var b [8]byte
 	rand.Read(b[:])
 	return fmt.Sprintf("shmlink_%d_%s", os.Getpid(), hex.EncodeToString(b[:]))
+}
+
+// removeStale removes, from dir, the shared-memory files of earlier
+// clients that died (kill -9, a crash) before their server spoke: files
+// named by randomName whose process no longer exists and that belong to
+// our uid. Errors are ignored: a file that stays is only wasted space.
+func removeStale(dir string) {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	uid := os.Geteuid()
+	for _, e := range entries {
+		rest, ok := strings.CutPrefix(e.Name(), "shmlink_")
+		if !ok || !e.Type().IsRegular() {
+			continue
+		}
+		pidStr, _, ok := strings.Cut(rest, "_")
+		pid, err := strconv.Atoi(pidStr)
+		if !ok || err != nil || pid <= 0 || pid == os.Getpid() {
+			continue
+		}
+		if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
+			continue // alive, or not ours to signal: maybe alive
+		}
+		info, err := e.Info()
+		if err != nil {
+			continue
+		}
+		if st, ok := info.Sys().(*syscall.Stat_t); ok && int(st.Uid) == uid {
+			os.Remove(filepath.Join(dir, e.Name()))
+		}
+	}
 }
 
 // handshakeError wraps err as a handshake failure of op.
@@ -104,6 +139,7 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 			return nil, 0, handshakeError("create queue", err)
 		}
 	} else {
+		removeStale(cfg.ShmDir)
 		if bufFile, err = shm.CreateFile(meta.BufferPath, cfg.BufferSize); err != nil {
 			return nil, 0, handshakeError("create buffer", err)
 		}
@@ -128,8 +164,8 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 	}
 
 	if mt == MemoryFile && !isUnix {
-		// v2: metadata, no reply. The files stay until the session ends,
-		// since nothing tells us when the server has mapped them.
+		// v2: metadata, no reply. The files stay until the server's first
+		// message or event shows it mapped them (Session.forgetNames).
 		if _, err = conn.Write(AppendShareMemory(nil, 2, TypeShareMemoryByFilePath, meta)); err != nil {
 			return nil, 0, handshakeError("send metadata", err)
 		}

@@ -8,6 +8,7 @@ import (
 	"io"
 	"math"
 	"net"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -43,8 +44,16 @@ type Session struct {
 	pollMsg  []byte // the encoded Polling message
 	maxLinks int    // slices in the buffer region: the longest possible chain
 	// shmLimit and heapLimit bound a stream's unread bytes in the region
-	// and copied out of it (Config.StreamMemoryLimit, StreamHeapLimit).
-	shmLimit, heapLimit int
+	// and copied out of it (Config.StreamMemoryLimit, StreamHeapLimit);
+	// sessionShmLimit bounds the unread bytes of all streams in the region
+	// (half of it), counted by shmUnread.
+	shmLimit, heapLimit, sessionShmLimit int
+	shmUnread                            atomic.Int64
+	// names are the files of a v2 handshake that this client created and
+	// still has to unlink; the v2 server sends no reply, so they go as
+	// soon as anything comes from it (see forgetNames).
+	names     []string
+	namesLive atomic.Bool
 
 	// memMu guards the mappings: holders of the read lock may touch shared
 	// memory; release takes the write lock to unmap.
@@ -161,6 +170,14 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 		s.shmLimit = math.MaxInt
 	}
 	s.heapLimit = max(c.StreamHeapLimit, 0)
+	s.sessionShmLimit = mem.region.Len() / 2
+	if len(mem.remove) > 0 {
+		s.names = mem.remove
+		s.namesLive.Store(true)
+	}
+	if c.StreamMemoryLimit < 0 {
+		s.sessionShmLimit = math.MaxInt
+	}
 	c.Logger.Debug("shmlink: session started", "client", isClient, "version", version,
 		"remote", conn.RemoteAddr(), "buffer", len(mem.bufMem), "queue_cap", mem.send.Cap())
 	go s.recvLoop()
@@ -583,6 +600,7 @@ func (s *Session) recvLoop() {
 			s.fail(&SessionError{Op: "read", Err: err})
 			return
 		}
+		s.forgetNames()
 		if err := s.handle(h, payload); err != nil {
 			s.fail(&SessionError{Op: "read " + h.Type.String(), Err: err})
 			return
@@ -665,6 +683,7 @@ func (s *Session) drainLocked(settle bool) error {
 				break
 			}
 			s.ctr.eventsReceived.Add(1)
+			s.forgetNames()
 			if err := s.dispatchLocked(ev, nil); err != nil {
 				return err
 			}
@@ -677,6 +696,17 @@ func (s *Session) drainLocked(settle bool) error {
 			return nil
 		}
 		recv.SetWorking()
+	}
+}
+
+// forgetNames unlinks the files of a v2 handshake once the server has
+// spoken: it mapped them before anything it sends, so a kill -9 of this
+// process later leaves nothing behind in ShmDir.
+func (s *Session) forgetNames() {
+	if s.namesLive.Load() && s.namesLive.CompareAndSwap(true, false) {
+		for _, p := range s.names {
+			os.Remove(p)
+		}
 	}
 }
 

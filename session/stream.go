@@ -23,6 +23,7 @@ type chunk struct {
 	pinned  bool // a zero-copy view into the current slice was handed out
 	remain  int  // unread bytes of the whole message, data included
 	links   int  // slices of the chain visited so far (cycle guard)
+	charge  int  // capacity of the chain's slices, counted in Stream.shm
 }
 
 // A Stream is one bidirectional byte stream of a session. It implements
@@ -47,7 +48,7 @@ type Stream struct {
 	recv          []chunk // FIFO from rhead
 	rhead         int
 	buffered      int           // unread bytes in recv
-	shm           int           // unread bytes of recv in shared memory
+	shm           int           // capacity of the slices that recv's unread bytes occupy
 	held          []uint32      // consumed slices with a zero-copy view out
 	remoteClosed  bool          // the peer's close arrived
 	closed        bool          // Close was called
@@ -144,9 +145,9 @@ func (st *Stream) pushChain(off uint32) error {
 	if err := cr.Reset(region, off); err != nil {
 		return err
 	}
-	total := 0
+	total, charge := 0, 0
 	for {
-		p, _, err := cr.Next()
+		p, soff, err := cr.Next()
 		if err == io.EOF {
 			break
 		}
@@ -154,6 +155,7 @@ func (st *Stream) pushChain(off uint32) error {
 			return err
 		}
 		total += len(p)
+		charge += region.SliceSize(soff)
 	}
 	st.mu.Lock()
 	if st.closed || total == 0 {
@@ -164,10 +166,12 @@ func (st *Stream) pushChain(off uint32) error {
 		return err
 	}
 	st.s.ctr.bytesReceived.Add(uint64(total))
-	if st.shm+total > st.s.shmLimit && st.buffered-st.shm+total <= st.s.heapLimit {
-		// Over the stream's share of shared memory: copy the message out
-		// and free its slices now, so that a stalled reader holds heap,
-		// not slices the other streams need.
+	overShm := st.shm+charge > st.s.shmLimit || st.s.shmUnread.Load()+int64(charge) > int64(st.s.sessionShmLimit)
+	if overShm && st.buffered-st.shm+total <= st.s.heapLimit {
+		// Over the stream's share of shared memory, or over the share of
+		// all our unread data: copy the message out and free its slices
+		// now, so that a stalled reader holds heap, not slices that the
+		// other streams, or writers on either side, need.
 		data := make([]byte, 0, total)
 		cr.Reset(region, off) // cannot fail: it did above
 		for {
@@ -190,9 +194,10 @@ func (st *Stream) pushChain(off uint32) error {
 		st.mu.Unlock()
 		return err
 	}
-	st.recv = append(st.recv, chunk{off: off, data: p, next: next, hasNext: hasNext, remain: total, links: 1})
+	st.recv = append(st.recv, chunk{off: off, data: p, next: next, hasNext: hasNext, remain: total, links: 1, charge: charge})
 	st.buffered += total
-	st.shm += total
+	st.shm += charge
+	st.s.shmUnread.Add(int64(charge))
 	st.mu.Unlock()
 	st.notifyRead()
 	return nil
@@ -396,9 +401,6 @@ func (st *Stream) consumeLocked(p []byte, n int) (int, error) {
 		c.data = c.data[k:]
 		c.remain -= k
 		st.buffered -= k
-		if c.off != 0 {
-			st.shm -= k
-		}
 		done += k
 		if len(c.data) == 0 {
 			if err := st.advanceLocked(c); err != nil {
@@ -440,7 +442,7 @@ func (st *Stream) advanceLocked(c *chunk) error {
 			st.dropHeadLocked()
 			return err
 		}
-		*c = chunk{off: c.next, data: p, next: next, hasNext: hasNext, remain: c.remain, links: c.links + 1}
+		*c = chunk{off: c.next, data: p, next: next, hasNext: hasNext, remain: c.remain, links: c.links + 1, charge: c.charge}
 		if len(p) > c.remain {
 			c.data = p[:c.remain]
 		}
@@ -452,9 +454,8 @@ func (st *Stream) advanceLocked(c *chunk) error {
 func (st *Stream) dropHeadLocked() {
 	c := &st.recv[st.rhead]
 	st.buffered -= c.remain
-	if c.off != 0 {
-		st.shm -= c.remain
-	}
+	st.shm -= c.charge
+	st.s.shmUnread.Add(-int64(c.charge))
 	*c = chunk{}
 	st.rhead++
 	if st.rhead == len(st.recv) {
@@ -918,6 +919,7 @@ func (st *Stream) Close() error {
 		}
 		st.releaseHeldLocked()
 	}
+	s.shmUnread.Add(-int64(st.shm))
 	st.recv, st.rhead, st.buffered, st.shm, st.held = nil, 0, 0, 0, nil
 	st.mu.Unlock()
 	s.memMu.RUnlock()
