@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
@@ -24,7 +25,7 @@ type resources struct {
 	shmFiles   []string
 }
 
-func snapshot(t *testing.T, dirs ...string) resources {
+func snapshot(t require.TestingT, dirs ...string) resources {
 	fds, err := os.ReadDir("/proc/self/fd")
 	require.NoError(t, err)
 	r := resources{goroutines: runtime.NumGoroutine(), fds: len(fds)}
@@ -40,29 +41,34 @@ func snapshot(t *testing.T, dirs ...string) resources {
 	return r
 }
 
-// requireNoLeaks waits until goroutines and descriptors are back to base:
-// goroutines and descriptors of closed sessions end asynchronously (the
-// runtime's own goroutines settle too), so this polls for up to 5 s; it
-// never passes on time alone.
+// requireNoLeaks waits until goroutines and descriptors are back to base
+// and no shared-memory file of this process is left (see requireBackTo).
 func requireNoLeaks(t *testing.T, base resources, dirs ...string) {
 	t.Helper()
-	var now resources
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		now = snapshot(t, dirs...)
-		if now.goroutines <= base.goroutines && now.fds <= base.fds && len(now.shmFiles) == 0 {
-			return
+	requireBackTo(t, base, nil, dirs...)
+}
+
+// requireBackTo waits until goroutines, descriptors and shared-memory
+// files of this process are back to base and every assertion of extra (if
+// not nil) holds. Sessions end asynchronously (and the runtime's own
+// goroutines settle), so it polls for up to 10 s; it never passes on time
+// alone. On failure it prints every goroutine's stack.
+func requireBackTo(t *testing.T, base resources, extra func(c *assert.CollectT), dirs ...string) {
+	t.Helper()
+	ok := assert.EventuallyWithT(t, func(c *assert.CollectT) {
+		now := snapshot(c, dirs...)
+		// This condition runs on a goroutine of its own.
+		assert.LessOrEqual(c, now.goroutines-1, base.goroutines, "goroutines")
+		assert.LessOrEqual(c, now.fds, base.fds, "descriptors")
+		assert.LessOrEqual(c, len(now.shmFiles), len(base.shmFiles), "shared-memory files: %v", now.shmFiles)
+		if extra != nil {
+			extra(c)
 		}
-		if time.Now().After(deadline) {
-			break
-		}
-		runtime.Gosched()
-		time.Sleep(10 * time.Millisecond)
+	}, 10*time.Second, time.Millisecond)
+	if !ok {
+		buf := make([]byte, 1<<20)
+		t.Fatalf("leak; goroutines:\n%s", buf[:runtime.Stack(buf, true)])
 	}
-	buf := make([]byte, 1<<20)
-	buf = buf[:runtime.Stack(buf, true)]
-	t.Fatalf("leak: goroutines %d -> %d, fds %d -> %d, shm files %v\n%s",
-		base.goroutines, now.goroutines, base.fds, now.fds, now.shmFiles, buf)
 }
 
 // Both sides in one process, so that the checks see both: after Close on

@@ -47,21 +47,25 @@ func pattern(b []byte, seed uint64, off int) {
 
 // checkPattern returns the first offset at which b differs from pattern.
 func checkPattern(b []byte, seed uint64, off int) error {
-	want := make([]byte, len(b))
-	pattern(want, seed, off)
-	for i := range b {
-		if b[i] != want[i] {
-			return fmt.Errorf("byte %d: got %#x want %#x", off+i, b[i], want[i])
+	for i, got := range b {
+		x := uint64(off+i)*0x9E3779B97F4A7C15 + seed
+		if want := byte(x >> 56); got != want {
+			return fmt.Errorf("byte %d: got %#x want %#x", off+i, got, want)
 		}
 	}
 	return nil
 }
 
-// runPeer runs the server role: listen as the environment says, print
-// "ready <addr>", serve streams until standard input closes, then close the
-// listener and exit 0 (1 on any error).
+// runPeer runs a peer role. "client" is runPeerClient (peerdeath_test.go);
+// "server" listens as the environment says, prints "ready <addr>", serves
+// streams until standard input closes, then closes the listener and exits
+// 0 (1 on any error).
 func runPeer(role string) int {
-	if role != "server" {
+	switch role {
+	case "client":
+		return runPeerClient(os.Getenv(peerClientEnv))
+	case "server":
+	default:
 		fmt.Fprintln(os.Stderr, "unknown role", role)
 		return 2
 	}
