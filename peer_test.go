@@ -26,7 +26,9 @@ func TestMain(m *testing.M) {
 	if role := os.Getenv(peerEnv); role != "" {
 		os.Exit(runPeer(role))
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	stopBenchServer()
+	os.Exit(code)
 }
 
 // Stream commands of the test server: the first 9 bytes of every stream are
@@ -64,6 +66,8 @@ func runPeer(role string) int {
 	switch role {
 	case "client":
 		return runPeerClient(os.Getenv(peerClientEnv))
+	case "bench":
+		return runBenchServer()
 	case "server":
 	default:
 		fmt.Fprintln(os.Stderr, "unknown role", role)

@@ -535,6 +535,39 @@ func (st *Stream) ReadBytes(n int) ([]byte, error) {
 	return b, err
 }
 
+// ReadChunk consumes and returns the next bytes that lie contiguously in
+// one slice of shared memory (or in one FallbackData message): at least 1
+// and at most max, waiting until some have arrived. It never copies: the
+// result points into shared memory (or the received message) and stays
+// valid until ReleasePreviousRead or Close, which recycle the slices behind
+// every result returned since the last release. It returns io.EOF once the
+// peer closed and every byte was read, and the errors of Read otherwise;
+// max must be positive.
+func (st *Stream) ReadChunk(max int) ([]byte, error) {
+	st.rmu.Lock()
+	defer st.rmu.Unlock()
+	if max <= 0 {
+		return nil, errors.New("shmlink: ReadChunk of a non-positive length")
+	}
+	if err := st.waitReadable(1); err != nil {
+		return nil, err
+	}
+	c := &st.recv[st.rhead]
+	k := min(max, len(c.data))
+	b := c.data[:k:k]
+	if c.off != 0 {
+		c.pinned = true
+	}
+	_, err := st.consumeLocked(nil, k)
+	st.mu.Unlock()
+	st.s.memMu.RUnlock()
+	if err != nil {
+		st.s.fail(&SessionError{Op: "read", Err: err})
+		return nil, st.s.Err()
+	}
+	return b, nil
+}
+
 // Discard skips the next n bytes, waiting until they have arrived, and
 // returns how many it skipped: fewer than n only with an error (io.EOF if
 // the peer closed first, or Read's errors).
@@ -735,6 +768,18 @@ func (st *Stream) publishLocked() error {
 	return nil
 }
 
+// MaxSliceSize returns the largest slice size of the session's buffer
+// region in bytes (PROTOCOL.md section 2): the most Stream.Reserve gives at
+// once. It returns 0 once the session's shared memory is released.
+func (s *Session) MaxSliceSize() int {
+	s.memMu.RLock()
+	defer s.memMu.RUnlock()
+	if s.mem == nil {
+		return 0
+	}
+	return s.mem.region.MaxSliceSize()
+}
+
 // Reserve returns n contiguous bytes to fill in place; they are sent, after
 // any bytes reserved before, by the next Flush or Write. The memory lies in
 // a slice of shared memory (zero copy); when the region is exhausted the
@@ -742,7 +787,7 @@ func (st *Stream) publishLocked() error {
 // Config.Fallback), and later ones, whose earlier bytes may not be filled
 // yet, return heap memory that Flush copies out. Either way it belongs to
 // the stream and must not be used after that Flush, Write or Close. Errors
-// are Write's; n must be in [1, Session's largest slice size].
+// are Write's; n must be in [1, Session.MaxSliceSize()].
 func (st *Stream) Reserve(n int) ([]byte, error) {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()

@@ -125,6 +125,44 @@ func TestZeroCopy(t *testing.T) {
 	require.Zero(t, sum(server.Stats().SlicesInUse), "every slice recycled")
 }
 
+// ReadChunk hands out every byte in place, one slice at a time, and
+// ReleasePreviousRead recycles the slices behind the chunks.
+func TestReadChunk(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+	data := make([]byte, 300<<10)
+	for i := range data {
+		data[i] = byte(i * 7)
+	}
+	go func() {
+		c.Write(data)
+		c.CloseWrite()
+	}()
+	var got []byte
+	chunks := 0
+	for {
+		b, err := s.ReadChunk(100 << 10)
+		if err == io.EOF {
+			break
+		}
+		require.NoError(t, err)
+		require.NotEmpty(t, b)
+		require.LessOrEqual(t, len(b), 100<<10)
+		require.True(t, inMapping(server, b), "chunk %d is a copy", chunks)
+		got = append(got, b...)
+		chunks++
+		if chunks%3 == 0 {
+			s.ReleasePreviousRead()
+		}
+	}
+	require.Equal(t, data, got)
+	require.Greater(t, chunks, 2)
+	s.ReleasePreviousRead()
+	require.Zero(t, sum(server.Stats().SlicesInUse), "every slice recycled")
+	_, err := s.ReadChunk(0)
+	require.Error(t, err)
+}
+
 func sum(xs []int) int {
 	n := 0
 	for _, x := range xs {
