@@ -52,14 +52,17 @@ func (d *deadline) wait() chan struct{} {
 	return d.cancel
 }
 
-// stop releases the timer.
+// stop releases the timer. Like set, it waits for a timer that has
+// already fired to close the channel: a set after stop (SetReadDeadline
+// racing with Close) would otherwise close it too, or arm a new timer on
+// it, and the channel would be closed twice.
 func (d *deadline) stop() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.timer != nil {
-		d.timer.Stop()
-		d.timer = nil
+	if d.timer != nil && !d.timer.Stop() {
+		<-d.cancel
 	}
+	d.timer = nil
 }
 
 func isClosedChan(c <-chan struct{}) bool {
