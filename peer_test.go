@@ -59,6 +59,7 @@ func checkPattern(b []byte, seed uint64, off int) error {
 }
 
 // runPeer runs a peer role. "client" is runPeerClient (peerdeath_test.go);
+// "upgrade-server" is runUpgradeServer (upgrade_test.go);
 // "server" listens as the environment says, prints "ready <addr>", serves
 // streams until standard input closes, then closes the listener and exits
 // 0 (1 on any error).
@@ -68,6 +69,8 @@ func runPeer(role string) int {
 		return runPeerClient(os.Getenv(peerClientEnv))
 	case "bench":
 		return runBenchServer()
+	case "upgrade-server":
+		return runUpgradeServer()
 	case "server":
 	default:
 		fmt.Fprintln(os.Stderr, "unknown role", role)

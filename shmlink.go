@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"sync"
 	"time"
 
@@ -44,16 +45,54 @@ func Listen(network, address string) (net.Listener, error) {
 // ListenConfig holds the options of a listener.
 type ListenConfig struct {
 	// Config is used for every session the listener accepts; nil means the
-	// defaults. It is copied by Listen.
+	// defaults. It is copied by Listen. Its AllowUIDs or PeerCheck decide
+	// which clients of a "unix" listener are served (by default: processes
+	// of this process's uid); a refused client's connection is closed,
+	// logged and counted (Listener.PeersRefused).
 	Config *Config
+
+	// SocketMode is the permission bits of a "unix" listener's socket file;
+	// a client needs write permission on it to connect. Zero means
+	// DefaultSocketMode (0600: the owner only); bits other than 0777 are a
+	// *ConfigError. The mode is set exactly, whatever the umask, and before
+	// the socket listens, so that no client can connect under another mode.
+	// Abstract sockets ("@name") have no file and ignore it.
+	SocketMode os.FileMode
+
+	// AllowNonLoopback lets a "tcp" listener bind an address that is not a
+	// loopback address, such as "0.0.0.0:0", ":0" or a LAN address. By
+	// default Listen refuses those with ErrNotLoopback: TCP carries no peer
+	// credentials, and shared memory needs both processes on one host.
+	AllowNonLoopback bool
+
+	// UpgradeSocket, if set, is the path of a Unix socket through which
+	// generations of the server hand the listener over (hot upgrade; see
+	// upgrade.go). If a live process owns it, Listen takes that process's
+	// listening socket over instead of listening afresh, and that process
+	// drains its sessions and then reports Upgraded. Otherwise Listen
+	// listens afresh. Either way the listener then serves UpgradeSocket
+	// for the next generation.
+	UpgradeSocket string
+
+	// DrainTimeout is how long a listener that handed its socket over
+	// waits for its sessions to acknowledge the hot restart and end before
+	// it closes those left. Zero means DefaultDrainTimeout (10 s);
+	// negative is invalid. Only used with UpgradeSocket.
+	DrainTimeout time.Duration
 }
 
 // Listen listens on network ("unix" or "tcp") at address. Every client
 // connection runs its handshake in its own goroutine, bounded by
 // Config.HandshakeTimeout, so a slow or silent client never delays others;
 // a failed handshake closes that connection and is logged to
-// Config.Logger. It returns ErrNetwork for other networks, a *ConfigError
-// for a bad Config, and net.Listen's errors.
+// Config.Logger. A "unix" socket file gets SocketMode; a "tcp" address must
+// be loopback unless AllowNonLoopback. It returns ErrNetwork for other
+// networks, a *ConfigError for a bad Config or SocketMode, ErrNotLoopback
+// (wrapped) for a refused TCP address, and net.Listen's errors. With
+// UpgradeSocket it takes the listener of a running process over (see
+// upgrade.go), and returns ErrUpgradeInProgress (wrapped) if that process
+// is busy with another upgrade, and the handover's errors (wrapped), in
+// which case the running process goes on serving.
 func (lc *ListenConfig) Listen(ctx context.Context, network, address string) (*Listener, error) {
 	if err := checkNetwork(network); err != nil {
 		return nil, err
@@ -65,21 +104,30 @@ func (lc *ListenConfig) Listen(ctx context.Context, network, address string) (*L
 		}
 		cfg = *lc.Config
 	}
-	var nlc net.ListenConfig
-	ln, err := nlc.Listen(ctx, network, address)
+	if lc.UpgradeSocket != "" {
+		return lc.listenUpgradable(ctx, network, address, cfg)
+	}
+	ln, err := lc.listen(ctx, network, address)
 	if err != nil {
 		return nil, err
 	}
+	return newListener(ln, cfg, nil), nil
+}
+
+// newListener starts a Listener accepting on ln; up is its hot-upgrade
+// state, nil without ListenConfig.UpgradeSocket.
+func newListener(ln net.Listener, cfg Config, up *upgrader) *Listener {
 	l := &Listener{
 		ln:       ln,
 		cfg:      cfg,
+		up:       up,
 		sessions: make(map[*session.Session]struct{}),
 		accepts:  make(chan *Stream),
 		done:     make(chan struct{}),
 	}
 	l.wg.Add(1)
 	go l.acceptLoop()
-	return l, nil
+	return l
 }
 
 // Listener accepts streams from any number of client processes. It is a
@@ -87,6 +135,7 @@ func (lc *ListenConfig) Listen(ctx context.Context, network, address string) (*L
 type Listener struct {
 	ln  net.Listener
 	cfg Config
+	up  *upgrader // hot upgrade (upgrade.go); nil without UpgradeSocket
 
 	mu       sync.Mutex
 	sessions map[*session.Session]struct{}
@@ -97,6 +146,7 @@ type Listener struct {
 	doneOnce  sync.Once
 	closeOnce sync.Once
 	wg        sync.WaitGroup
+	access    listenerAccess
 }
 
 // stop closes done once.
@@ -107,7 +157,9 @@ func (l *Listener) Addr() net.Addr { return l.ln.Addr() }
 
 // Accept waits for the next stream opened by any client and returns it. It
 // returns an error satisfying errors.Is(err, net.ErrClosed) after Close,
-// and the underlying listener's error if that failed.
+// or wrapping ErrUpgraded (which satisfies it too) once the listener has
+// handed over to a new process and drained, and the underlying listener's
+// error if that failed.
 func (l *Listener) Accept() (net.Conn, error) {
 	select {
 	case <-l.done:
@@ -139,7 +191,7 @@ func (l *Listener) Close() error {
 	err := l.closedError("close")
 	l.closeOnce.Do(func() {
 		l.stop()
-		err = l.ln.Close()
+		err = l.closeSocket()
 		l.mu.Lock()
 		sessions := make([]*session.Session, 0, len(l.sessions))
 		for s := range l.sessions {
@@ -150,6 +202,7 @@ func (l *Listener) Close() error {
 			s.Close()
 		}
 		l.wg.Wait()
+		l.up.closed()
 	})
 	return err
 }
@@ -163,9 +216,13 @@ func (l *Listener) NumSessions() int {
 
 func (l *Listener) acceptLoop() {
 	defer l.wg.Done()
+	defer l.up.acceptStopped()
 	for {
 		conn, err := l.ln.Accept()
 		if err != nil {
+			if l.up.handedOver() {
+				return // the next generation accepts on the socket now
+			}
 			select {
 			case <-l.done:
 			default:
@@ -176,6 +233,7 @@ func (l *Listener) acceptLoop() {
 			}
 			return
 		}
+		l.up.connStarted()
 		l.wg.Add(1)
 		go l.serve(conn)
 	}
@@ -185,11 +243,10 @@ func (l *Listener) acceptLoop() {
 // Accept until the session ends or the listener closes.
 func (l *Listener) serve(conn net.Conn) {
 	defer l.wg.Done()
+	defer l.up.connEnded()
 	s, err := session.Server(conn, &l.cfg)
 	if err != nil {
-		if l.cfg.Logger != nil {
-			l.cfg.Logger.Info("shmlink: handshake failed", "remote", conn.RemoteAddr(), "err", err)
-		}
+		l.handshakeFailed(conn, err)
 		return
 	}
 	l.mu.Lock()
@@ -202,6 +259,7 @@ func (l *Listener) serve(conn net.Conn) {
 	}
 	l.sessions[s] = struct{}{}
 	l.mu.Unlock()
+	l.up.sessionStarted(s)
 	defer func() {
 		l.mu.Lock()
 		delete(l.sessions, s)
@@ -308,6 +366,12 @@ var errDialerClosed = fmt.Errorf("shmlink: dialer closed: %w", net.ErrClosed)
 // a closed stream's id returns to its session by itself once the server
 // closed the stream too. A session idle for IdleTimeout is closed.
 //
+// A session whose server announces a hot restart (PROTOCOL.md section 5;
+// ListenConfig.UpgradeSocket) takes no new stream and no longer counts
+// against MaxSessions: the next dial opens a session to the new server
+// process, with the epoch in its shared-memory names, while the streams
+// in flight finish on the old one, which then acknowledges and ends.
+//
 // The zero value is ready to use. A Dialer is safe for concurrent use; its
 // fields must not change after the first Dial. Close it to end its
 // sessions.
@@ -342,6 +406,11 @@ type Dialer struct {
 type sessionPool struct {
 	sessions []*session.Session
 	dial     *dialCall // the dial in progress, if any
+	// draining holds the sessions whose server announced a hot restart:
+	// no new stream goes to them, and they end by themselves once their
+	// last stream is done (see upgrade.go); epoch is the last such epoch.
+	draining []*session.Session
+	epoch    uint64
 }
 
 // dialCall is one dial of a new session, shared by the dials waiting on it.
@@ -350,14 +419,19 @@ type dialCall struct {
 	err  error
 }
 
-// leastLoaded drops the sessions that ended and returns the one with the
-// fewest streams and that number, or nil when none is left.
+// leastLoaded drops the sessions that ended, sets those draining for a hot
+// restart aside, and returns the one with the fewest streams of the others
+// and that number, or nil when none is left.
 func (p *sessionPool) leastLoaded() (*session.Session, int) {
+	p.pruneDraining()
 	live := p.sessions[:0]
 	var best *session.Session
 	load := 0
 	for _, s := range p.sessions {
 		if s.Err() != nil {
+			continue
+		}
+		if p.retireDraining(s) {
 			continue
 		}
 		live = append(live, s)
@@ -406,7 +480,7 @@ func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.
 	}
 	key := network + " " + address
 	var err error
-	for range 3 {
+	for ended, draining := 0, 0; ended < 3 && draining < maxDrainingPicks; {
 		var s *session.Session
 		if s, err = d.pick(ctx, key, network, address); err != nil {
 			return nil, err
@@ -415,11 +489,20 @@ func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.
 		if st, err = s.OpenStream(ctx); err == nil {
 			return st, nil
 		}
-		if s.Err() == nil || ctx.Err() != nil {
+		switch {
+		case ctx.Err() != nil:
+			return nil, err
+		case errors.Is(err, session.ErrDraining):
+			// The server handed over to a new process since the session
+			// was picked: pick again, which dials the new process.
+			draining++
+		case s.Err() != nil:
+			// The session ended since it was picked (idle timeout, peer
+			// gone): pick again.
+			ended++
+		default:
 			return nil, err
 		}
-		// The session ended since it was picked (idle timeout, peer gone):
-		// pick again.
 	}
 	return nil, err
 }
@@ -463,9 +546,10 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 		}
 		call := &dialCall{done: make(chan struct{})}
 		p.dial = call
+		cfg := withEpoch(d.Config, p.epoch)
 		d.mu.Unlock()
 
-		s, err := dialSession(ctx, d.Config, network, address)
+		s, err := dialSession(ctx, cfg, network, address)
 		d.mu.Lock()
 		p.dial = nil
 		switch {
@@ -476,7 +560,7 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 			s.SetIdleTimeout(cmp.Or(d.IdleTimeout, DefaultIdleTimeout))
 			p.sessions = append(p.sessions, s)
 		}
-		if len(p.sessions) == 0 && d.pools[key] == p {
+		if len(p.sessions) == 0 && len(p.draining) == 0 && d.pools[key] == p {
 			delete(d.pools, key)
 		}
 		call.err = err
@@ -506,6 +590,9 @@ func (d *Dialer) Close() error {
 		for _, s := range p.sessions {
 			s.Close()
 		}
+		for _, s := range p.draining {
+			s.Close()
+		}
 	}
 	return nil
 }
@@ -518,10 +605,10 @@ func (d *Dialer) NumSessions() int {
 	n := 0
 	for key, p := range d.pools {
 		p.leastLoaded()
-		if len(p.sessions) == 0 && p.dial == nil {
+		if len(p.sessions) == 0 && len(p.draining) == 0 && p.dial == nil {
 			delete(d.pools, key)
 		}
-		n += len(p.sessions)
+		n += len(p.sessions) + len(p.draining)
 	}
 	return n
 }

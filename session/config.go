@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
@@ -86,7 +87,10 @@ type Config struct {
 
 	// ShmDir is the directory where a client creates file-backed shared
 	// memory, and the only directory from which a server maps files named
-	// by a peer. Default DefaultShmDir ("/dev/shm").
+	// by a peer: regular files directly inside it that belong to the peer's
+	// uid (on a Unix socket; over TCP, which carries no credentials, this
+	// process's effective uid). Any other path is refused before it is
+	// opened (ErrPathRefused). Default DefaultShmDir ("/dev/shm").
 	ShmDir string
 
 	// HandshakeTimeout bounds the handshake on both sides. Default
@@ -127,13 +131,15 @@ type Config struct {
 	// StreamMemoryLimit is how many bytes of the buffer region one stream's
 	// unread messages may occupy, counted on the receiving side as the
 	// capacity of their slices (a 1-byte message takes a whole slice of
-	// the smallest size that fits). A message that would
-	// take a stream past it is copied to the heap on arrival and its slices
-	// are freed at once, so a reader that stalls cannot starve the other
-	// streams, or the opposite direction, of shared memory. The unread
-	// bytes of all streams together are held to half the region the same
-	// way. Default (0): a quarter of the region; negative: no limit (on
-	// either).
+	// the smallest size that fits). While less than a quarter of the
+	// region is free, the unread messages past it of a stream whose reader
+	// has stalled (no read call running or ended within the last
+	// millisecond) are copied to the heap and their slices freed, so a
+	// reader that stalls cannot starve the other streams, or the opposite
+	// direction, of shared memory; a reader that keeps reading gets
+	// backpressure instead. The unread bytes of all streams
+	// together are held to half the region the same way. Default (0): a
+	// quarter of the region; negative: no limit (on either).
 	StreamMemoryLimit int
 
 	// StreamHeapLimit is how many unread bytes one stream may hold in the
@@ -143,6 +149,32 @@ type Config struct {
 	// that arrive as FallbackData are always taken. Default
 	// DefaultStreamHeapLimit (16 MiB); negative: nothing is copied out.
 	StreamHeapLimit int
+
+	// AllowUIDs lists the user ids whose processes may be the peer on a
+	// Unix socket, as the kernel reports them (PeerCred): a server checks
+	// every client, and a client its server, before the handshake. Empty
+	// (the default) allows only this process's effective uid; a non-empty
+	// list replaces that default, so list os.Geteuid() too to keep it. A
+	// refused peer's connection is closed and the handshake fails with a
+	// *PeerError (errors.Is ErrPeerRefused). TCP carries no credentials:
+	// there no check is made, and shmlink.ListenConfig keeps TCP listeners
+	// on loopback. Set AllowUIDs or PeerCheck, not both.
+	AllowUIDs []int
+
+	// PeerCheck, if set, decides instead of AllowUIDs which processes may
+	// be the peer on a Unix socket: it is called once per connection,
+	// before the handshake, with the peer's credentials, and an error
+	// refuses the peer (the handshake fails with a *PeerError wrapping it).
+	// It may be called from many goroutines at once and should return
+	// quickly: the handshake timeout does not bound it. Default nil: the
+	// AllowUIDs rule.
+	PeerCheck func(PeerCred) error
+
+	// Epoch is the hot-restart epoch a client puts in the names of the
+	// shared-memory objects it creates (PROTOCOL.md sections 5 and 6):
+	// "shmlink_<pid>_e<Epoch>_<random>". shmlink.Dialer sets it to the
+	// epoch of the last HotRestart it saw from the address. Default 0.
+	Epoch uint64
 
 	// Logger receives session events (handshakes, protocol errors). Nil
 	// means silent.
@@ -176,6 +208,9 @@ func (c *Config) Validate() error {
 	case c.QueueFullTimeout < 0:
 		return &ConfigError{Field: "QueueFullTimeout", Reason: "negative"}
 	}
+	if err := c.validateAccess(); err != nil {
+		return err
+	}
 	if c.SizeClasses != nil {
 		sum := uint32(0)
 		for i, sc := range c.SizeClasses {
@@ -205,6 +240,7 @@ func (c *Config) withDefaults() Config {
 	} else {
 		out.SizeClasses = append([]buffer.SizeClass(nil), out.SizeClasses...)
 	}
+	out.AllowUIDs = slices.Clone(out.AllowUIDs)
 	if out.QueueCap == 0 {
 		out.QueueCap = DefaultQueueCap
 	}

@@ -43,6 +43,18 @@ var (
 	// ErrPeerClosed is the cause recorded when the peer closed the control
 	// connection; streams that still had data to write see it.
 	ErrPeerClosed = errors.New("shmlink: peer closed the session")
+
+	// ErrDraining is returned by OpenStream on a client session that has
+	// acknowledged a hot restart (PROTOCOL.md section 5): the old server
+	// closes it, so the stream must go on a new session. SendHotRestart
+	// returns it when the session is already draining.
+	ErrDraining = errors.New("shmlink: session is draining for a hot restart")
+
+	// ErrHotRestarted is the cause recorded when a server session ended
+	// because its client acknowledged the hot restart (HotRestartAck): the
+	// client moved to the new server process. It satisfies errors.Is(err,
+	// net.ErrClosed).
+	ErrHotRestarted = fmt.Errorf("shmlink: session moved to a new server process: %w", net.ErrClosed)
 )
 
 // ConfigError reports a configuration field that was rejected: a Config

@@ -47,11 +47,14 @@ func (m *memory) release() {
 }
 
 // randomName returns a name for shared-memory objects that another local
-// user cannot predict: "shmlink_<pid>_<16 hex digits>".
-func randomName() string {
+// user cannot predict: "shmlink_<pid>_e<epoch>_<16 hex digits>", where
+// epoch is the server generation's hot-restart epoch (Config.Epoch), so
+// that the objects of two generations never share a name. The pid stays
+// right after the prefix for removeStale.
+func randomName(epoch uint64) string {
 	var b [8]byte
 	rand.Read(b[:])
-	return fmt.Sprintf("shmlink_%d_%s", os.Getpid(), hex.EncodeToString(b[:]))
+	return fmt.Sprintf("shmlink_%d_e%d_%s", os.Getpid(), epoch, hex.EncodeToString(b[:]))
 }
 
 // removeStale removes, from dir, the shared-memory files of earlier
@@ -97,6 +100,10 @@ func handshakeError(op string, err error) error {
 // On error everything it created is released; conn is left to the caller.
 func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err error) {
 	uc, isUnix := conn.(*net.UnixConn)
+	if _, err := checkPeer(conn, cfg); err != nil {
+		return nil, 0, err
+	}
+	defer explainClose(&err)
 	mt := cfg.MemoryType
 	if mt == MemoryAuto {
 		mt = MemoryFile
@@ -112,7 +119,7 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 	}
 	defer conn.SetDeadline(time.Time{})
 
-	name := randomName()
+	name := randomName(cfg.Epoch)
 	meta := ShmMetadata{
 		QueuePath:  filepath.Join(cfg.ShmDir, name+"_queue_0"),
 		BufferPath: filepath.Join(cfg.ShmDir, name+"_buffer"),
@@ -231,6 +238,10 @@ func readHandshakeHeader(conn net.Conn, want MsgType) (Header, error) {
 // open; conn is left to the caller, who must close it.
 func serverHandshake(conn net.Conn, cfg *Config) (mem *memory, version uint8, err error) {
 	// mem is only ever set on success paths below.
+	peerUID, err := checkPeer(conn, cfg)
+	if err != nil {
+		return nil, 0, err
+	}
 	if err := conn.SetDeadline(time.Now().Add(cfg.HandshakeTimeout)); err != nil {
 		return nil, 0, handshakeError("set deadline", err)
 	}
@@ -246,7 +257,7 @@ func serverHandshake(conn net.Conn, cfg *Config) (mem *memory, version uint8, er
 		if meta, err = ParseShmMetadata(payload); err != nil {
 			return nil, 0, handshakeError("metadata", err)
 		}
-		mem, err = mapFiles(meta, cfg)
+		mem, err = mapFiles(meta, cfg, peerUID)
 		return mem, 2, err
 	case h.Version >= 3 && h.Type == TypeExchangeProtoVersion:
 		version = min(h.Version, ProtocolVersion)
@@ -266,7 +277,7 @@ func serverHandshake(conn net.Conn, cfg *Config) (mem *memory, version uint8, er
 		return nil, 0, handshakeError("metadata", err)
 	}
 	if h.Type == TypeShareMemoryByFilePath {
-		mem, err = mapFiles(meta, cfg)
+		mem, err = mapFiles(meta, cfg, peerUID)
 	} else {
 		mem, err = recvMemfds(conn, version)
 	}
@@ -318,16 +329,16 @@ func recvMemfds(conn net.Conn, version uint8) (*memory, error) {
 }
 
 // mapFiles opens and maps the files named in meta. Both must be regular
-// files directly inside cfg.ShmDir; anything else is refused before it is
-// opened.
-func mapFiles(meta ShmMetadata, cfg *Config) (*memory, error) {
+// files directly inside cfg.ShmDir that belong to uid, the peer's; anything
+// else is refused, with ErrPathRefused, before it is opened (openShared).
+func mapFiles(meta ShmMetadata, cfg *Config, uid int) (*memory, error) {
 	var files [2]*os.File
 	for i, p := range []string{meta.BufferPath, meta.QueuePath} {
 		if !inDir(p, cfg.ShmDir) {
 			closeFiles(files[:])
-			return nil, handshakeError("metadata", fmt.Errorf("path %q is outside %s", p, cfg.ShmDir))
+			return nil, handshakeError("metadata", fmt.Errorf("%w: %q is outside %s", ErrPathRefused, p, cfg.ShmDir))
 		}
-		f, err := shm.OpenFile(p)
+		f, err := openShared(p, uid)
 		if err != nil {
 			closeFiles(files[:])
 			return nil, handshakeError("open", err)

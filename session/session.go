@@ -101,6 +101,7 @@ type Session struct {
 	// idleTimer is armed while the session is idle.
 	idleTimeout time.Duration
 	idleTimer   *time.Timer
+	hr          hotRestart // hot-restart state (hotrestart.go)
 
 	dead      chan struct{} // closed when the session ends, for any reason
 	recvDone  chan struct{} // closed when recvLoop has returned
@@ -225,9 +226,10 @@ func (s *Session) NumStreams() int {
 // AcceptStream returns before any data: protocols where the server speaks
 // first work. Ids of streams that both sides closed are reused. It returns
 // ErrNotClient on a server session, the session's error once it has ended,
-// ErrStreamIDs when ids are exhausted, ctx.Err() if ctx is done before the
-// announcement is queued, and ErrQueueFull if the peer leaves the IO queue
-// full for Config.QueueFullTimeout.
+// ErrStreamIDs when ids are exhausted, ErrDraining once the session has
+// acknowledged a hot restart (see Draining), ctx.Err() if ctx is done
+// before the announcement is queued, and ErrQueueFull if the peer leaves
+// the IO queue full for Config.QueueFullTimeout.
 func (s *Session) OpenStream(ctx context.Context) (*Stream, error) {
 	if !s.isClient {
 		return nil, ErrNotClient
@@ -239,6 +241,10 @@ func (s *Session) OpenStream(ctx context.Context) (*Stream, error) {
 	if s.err != nil {
 		s.mu.Unlock()
 		return nil, s.err
+	}
+	if s.hr.acked {
+		s.mu.Unlock()
+		return nil, ErrDraining
 	}
 	var id uint32
 	for id == 0 && len(s.freeIDs) > 0 {
@@ -259,7 +265,10 @@ func (s *Session) OpenStream(ctx context.Context) (*Stream, error) {
 	st := newStream(s, id)
 	s.addLocked(st)
 	s.mu.Unlock()
-	if err := s.announce(ctx, st); err != nil {
+	st.wmu.Lock()
+	err := s.announce(ctx, st)
+	st.wmu.Unlock()
+	if err != nil {
 		st.Close()
 		return nil, err
 	}
@@ -277,8 +286,11 @@ func (s *Session) addLocked(st *Stream) {
 
 // announce sends the event that opens st on the server: its slice holds
 // zero bytes and the server recycles it. When no slice can be had it sends
-// an empty FallbackData instead; the two paths cannot reorder anything, as
-// neither carries bytes.
+// an empty FallbackData instead, and the stream stays on the socket like
+// one that fell back: the server may pop the stream's later events from
+// the IO queue (its data, its close) before it reads the announcement from
+// the socket, and the announcement would then open the stream anew, after
+// its end. The caller holds st.wmu.
 func (s *Session) announce(ctx context.Context, st *Stream) error {
 	s.memMu.RLock()
 	defer s.memMu.RUnlock()
@@ -288,6 +300,7 @@ func (s *Session) announce(ctx context.Context, st *Stream) error {
 	region := s.mem.region
 	off, err := region.Alloc(0)
 	if errors.Is(err, buffer.ErrNoSpace) {
+		st.viaSocket = true
 		return s.writeFallback(st.id, nil, false)
 	}
 	if err == nil {
@@ -497,6 +510,7 @@ func (s *Session) recycle(id uint32, onSocket bool) {
 // live: a session marked with CloseWhenIdle ends, one with an idle timeout
 // arms its timer.
 func (s *Session) checkIdle(inRecvLoop bool) {
+	s.maybeAck()
 	s.mu.Lock()
 	idle := len(s.streams) == 0 && len(s.live) == 0 && s.err == nil
 	closeNow := idle && s.closeWhenIdle
@@ -639,17 +653,9 @@ func (s *Session) handle(h Header, payload []byte) error {
 		s.ctr.bytesReceived.Add(uint64(len(data)))
 		return s.dispatch(queue.Event{StreamID: id, Status: status}, data)
 	case TypeHotRestart:
-		if !s.isClient {
-			return fmt.Errorf("%w: HotRestart sent to a server", ErrProtocol)
-		}
-		_, err := ParseEpoch(payload)
-		return err // hot restart is handled by a later layer; tolerated here
+		return s.handleHotRestart(payload)
 	case TypeHotRestartAck:
-		if s.isClient {
-			return fmt.Errorf("%w: HotRestartAck sent to a client", ErrProtocol)
-		}
-		_, err := ParseEpoch(payload)
-		return err
+		return s.handleHotRestartAck(payload)
 	}
 	return fmt.Errorf("%w: %v after the handshake", ErrProtocol, h.Type)
 }

@@ -16,8 +16,16 @@ var (
 	ErrBadRights = errors.New("shm: bad SCM_RIGHTS message")
 
 	// ErrNotRegular is returned by OpenFile when the path does not name a
-	// regular file.
+	// regular file (a symlink, a directory, a FIFO, a socket, a device).
 	ErrNotRegular = errors.New("shm: not a regular file")
+
+	// ErrNotOwner is returned by OpenFile when the file belongs to another
+	// user than the one the caller expects.
+	ErrNotOwner = errors.New("shm: file of another user")
+
+	// ErrChanged is returned by OpenFile when the file it opened is not the
+	// one it checked: the name was replaced in between.
+	ErrChanged = errors.New("shm: file replaced while being opened")
 )
 
 // MaxMapSize is the largest mapping this package creates or accepts, in

@@ -11,10 +11,12 @@ import (
 )
 
 // CreateMemfd creates an anonymous memfd named name (the kernel shows it as
-// /memfd:name; it is not a path) of size bytes, close-on-exec. The size is
-// sealed against shrinking and growing so that the peer that receives the
-// descriptor cannot truncate it under our mapping (which would raise SIGBUS).
-// The caller owns the returned file and must Close it.
+// /memfd:name; it is not a path) of size bytes, close-on-exec and mode 0600
+// (the kernel creates memfds 0777, which matters to whoever may reopen one
+// through /proc/<pid>/fd). The size is sealed against shrinking and growing
+// so that the peer that receives the descriptor cannot truncate it under our
+// mapping (which would raise SIGBUS). The caller owns the returned file and
+// must Close it.
 func CreateMemfd(name string, size int) (*os.File, error) {
 	if size <= 0 || size > MaxMapSize {
 		return nil, fmt.Errorf("%w: %d bytes", ErrBadSize, size)
@@ -22,6 +24,10 @@ func CreateMemfd(name string, size int) (*os.File, error) {
 	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return nil, os.NewSyscallError("memfd_create", err)
+	}
+	if err := unix.Fchmod(fd, 0o600); err != nil {
+		unix.Close(fd)
+		return nil, os.NewSyscallError("fchmod", err)
 	}
 	if err := unix.Ftruncate(fd, int64(size)); err != nil {
 		unix.Close(fd)
@@ -35,17 +41,23 @@ func CreateMemfd(name string, size int) (*os.File, error) {
 	return os.NewFile(uintptr(fd), "memfd:"+name), nil
 }
 
-// CreateFile creates the file at path with O_EXCL, mode 0600 and
-// close-on-exec, and sizes it to size bytes. It fails with an *os.PathError
-// wrapping fs.ErrExist if the path exists, so a file planted by someone else
-// is never used. The caller owns the returned file and must Close it and,
-// when it is no longer needed by any peer, Remove the path.
+// CreateFile creates the file at path with O_EXCL, mode 0600 (whatever the
+// umask) and close-on-exec, and sizes it to size bytes. It fails with an
+// *os.PathError wrapping fs.ErrExist if the path exists, so a file planted by
+// someone else is never used. The caller owns the returned file and must
+// Close it and, when it is no longer needed by any peer, Remove the path.
 func CreateFile(path string, size int) (*os.File, error) {
 	if size <= 0 || size > MaxMapSize {
 		return nil, fmt.Errorf("%w: %d bytes", ErrBadSize, size)
 	}
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
 	if err != nil {
+		return nil, err
+	}
+	// The umask can only have cleared bits of 0600; set them back.
+	if err := f.Chmod(0o600); err != nil {
+		f.Close()
+		os.Remove(path)
 		return nil, err
 	}
 	if err := f.Truncate(int64(size)); err != nil {
@@ -56,24 +68,89 @@ func CreateFile(path string, size int) (*os.File, error) {
 	return f, nil
 }
 
-// OpenFile opens an existing shared-memory file read-write, close-on-exec,
-// without following a final symlink. It returns ErrNotRegular (wrapped in an
-// *os.PathError) for anything but a regular file. The caller owns the file.
-func OpenFile(path string) (*os.File, error) {
+// OpenFile opens an existing shared-memory file that a peer named,
+// read-write and close-on-exec, if it is a regular file that belongs to
+// uid (any owner if uid < 0).
+//
+// The path is checked with lstat first, so a symlink, a directory, a FIFO,
+// a socket, a device or a file of another user is refused without ever
+// being opened. The file is then opened with O_NOFOLLOW (and O_NONBLOCK, so
+// that a FIFO swapped in meanwhile cannot block the open; neither flag
+// changes anything for a regular file), and the opened descriptor, not the
+// path, is checked again with fstat: it must be the file that was checked
+// (same device and inode), still regular and still owned by uid. So the file
+// returned is always the file checked, even if the name is replaced between
+// the two steps; a replacement is only ever opened, never returned.
+//
+// A refused file gets an *os.PathError wrapping ErrNotRegular, ErrNotOwner
+// or ErrChanged; a path that cannot be looked up or opened gets the lstat or
+// open error. The caller owns the file.
+func OpenFile(path string, uid int) (*os.File, error) {
+	var want unix.Stat_t
+	if err := unix.Lstat(path, &want); err != nil {
+		return nil, &os.PathError{Op: "lstat", Path: path, Err: err}
+	}
+	if err := checkShared(&want, uid); err != nil {
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+	}
 	f, err := os.OpenFile(path, os.O_RDWR|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, err
 	}
-	st, err := f.Stat()
+	var got unix.Stat_t
+	err = unix.Fstat(int(f.Fd()), &got)
+	if err != nil {
+		err = os.NewSyscallError("fstat", err)
+	} else if err = checkSame(&want, &got); err == nil {
+		err = checkShared(&got, uid)
+	}
 	if err != nil {
 		f.Close()
-		return nil, err
-	}
-	if !st.Mode().IsRegular() {
-		f.Close()
-		return nil, &os.PathError{Op: "open", Path: path, Err: ErrNotRegular}
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
 	}
 	return f, nil
+}
+
+// checkShared returns nil if st is a regular file owned by uid (any owner if
+// uid < 0), else an error wrapping ErrNotRegular or ErrNotOwner.
+func checkShared(st *unix.Stat_t, uid int) error {
+	if kind := st.Mode & unix.S_IFMT; kind != unix.S_IFREG {
+		return fmt.Errorf("%w (%s)", ErrNotRegular, kindName(kind))
+	}
+	if uid >= 0 && int64(st.Uid) != int64(uid) {
+		return fmt.Errorf("%w: owned by uid %d, not %d", ErrNotOwner, st.Uid, uid)
+	}
+	return nil
+}
+
+// checkSame returns ErrChanged unless want and got are the same file.
+func checkSame(want, got *unix.Stat_t) error {
+	if want.Dev != got.Dev || want.Ino != got.Ino {
+		return fmt.Errorf("%w: inode %d on device %#x became inode %d on device %#x",
+			ErrChanged, want.Ino, want.Dev, got.Ino, got.Dev)
+	}
+	return nil
+}
+
+// kindName names a file type (the S_IFMT bits of a mode).
+func kindName(kind uint32) string {
+	switch kind {
+	case unix.S_IFREG:
+		return "regular file"
+	case unix.S_IFLNK:
+		return "symbolic link"
+	case unix.S_IFDIR:
+		return "directory"
+	case unix.S_IFIFO:
+		return "FIFO"
+	case unix.S_IFSOCK:
+		return "socket"
+	case unix.S_IFCHR:
+		return "character device"
+	case unix.S_IFBLK:
+		return "block device"
+	}
+	return fmt.Sprintf("file type %#o", kind)
 }
 
 // Size returns the size of the file behind fd, in bytes.

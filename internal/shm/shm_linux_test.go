@@ -54,17 +54,17 @@ func TestCreateFile(t *testing.T) {
 	_, err = CreateFile(p, 8192)
 	require.ErrorIs(t, err, fs.ErrExist, "O_EXCL: an existing path is never reused")
 
-	g, err := OpenFile(p)
+	g, err := OpenFile(p, os.Geteuid())
 	require.NoError(t, err)
 	require.True(t, cloexec(t, int(g.Fd())))
 	g.Close()
 	link := p + ".link"
 	require.NoError(t, os.Symlink(p, link))
-	_, err = OpenFile(link)
+	_, err = OpenFile(link, -1)
 	require.Error(t, err, "symlinks are not followed")
-	_, err = OpenFile(t.TempDir())
+	_, err = OpenFile(t.TempDir(), -1)
 	require.Error(t, err)
-	_, err = OpenFile("/dev/null")
+	_, err = OpenFile("/dev/null", -1)
 	require.ErrorIs(t, err, ErrNotRegular)
 }
 

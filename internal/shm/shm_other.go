@@ -14,7 +14,7 @@ func CreateMemfd(name string, size int) (*os.File, error) { return nil, ErrUnsup
 func CreateFile(path string, size int) (*os.File, error) { return nil, ErrUnsupported }
 
 // OpenFile returns ErrUnsupported on this platform.
-func OpenFile(path string) (*os.File, error) { return nil, ErrUnsupported }
+func OpenFile(path string, uid int) (*os.File, error) { return nil, ErrUnsupported }
 
 // Size returns ErrUnsupported on this platform.
 func Size(fd int) (int, error) { return 0, ErrUnsupported }

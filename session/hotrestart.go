@@ -1,0 +1,163 @@
+package session
+
+import "fmt"
+
+// Hot restart (PROTOCOL.md section 5). The old server process sends
+// HotRestart{epoch} on every session (SendHotRestart). The client stops
+// using the session for new streams (its owner watches Draining), lets the
+// streams in flight finish, and answers HotRestartAck{epoch} by itself as
+// soon as the last one is gone; OpenStream fails with ErrDraining from
+// then on. The server ends the session when the ack arrives (Err is then
+// ErrHotRestarted), which the client reads as the peer's close.
+//
+// A HotRestart sent to a server, or an ack sent to a client, is a protocol
+// error that ends the session. An ack the server did not ask for (no
+// HotRestart sent, another epoch) is logged and ignored, like shmipc-go
+// does.
+
+// hotRestart is a session's hot-restart state, guarded by Session.mu.
+type hotRestart struct {
+	started bool          // server: HotRestart sent; client: HotRestart received
+	acked   bool          // client: the ack is sent (or being sent); server: it arrived
+	epoch   uint64        // the epoch of that HotRestart
+	ch      chan struct{} // closed once started; made by Draining
+}
+
+// SendHotRestart tells the client of a server session that a new server
+// process took over (PROTOCOL.md section 5): it sends HotRestart{epoch},
+// where epoch is the new process's generation. The client answers with
+// HotRestartAck{epoch} once its streams on this session are done, and the
+// session then ends with ErrHotRestarted; the streams it still has keep
+// working until then, and the client may even open new ones. It returns
+// ErrNotServer on a client session, ErrDraining if a HotRestart was
+// already sent, the session's error if it has ended, and the write error
+// (which ends the session).
+func (s *Session) SendHotRestart(epoch uint64) error {
+	if s.isClient {
+		return ErrNotServer
+	}
+	s.mu.Lock()
+	if err := s.err; err != nil {
+		s.mu.Unlock()
+		return err
+	}
+	if s.hr.started {
+		s.mu.Unlock()
+		return ErrDraining
+	}
+	s.startDrainLocked(epoch)
+	s.mu.Unlock()
+	s.cfg.Logger.Debug("shmlink: hot restart sent", "remote", s.conn.RemoteAddr(), "epoch", epoch)
+	return s.writeCtl(AppendHotRestart(nil, s.version, TypeHotRestart, epoch))
+}
+
+// Draining returns a channel that is closed when the session starts
+// draining for a hot restart: on a client when the server's HotRestart
+// arrives, on a server when SendHotRestart was called. A client's owner
+// then opens new streams on a new session to the same address (the new
+// server process); see HotRestartEpoch for the epoch.
+func (s *Session) Draining() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.hr.ch == nil {
+		s.hr.ch = make(chan struct{})
+		if s.hr.started {
+			close(s.hr.ch)
+		}
+	}
+	return s.hr.ch
+}
+
+// HotRestartEpoch returns the epoch of the HotRestart this session sent
+// (server) or received (client), and whether there was one. A client
+// puts it in the names of the shared memory of its next sessions
+// (Config.Epoch).
+func (s *Session) HotRestartEpoch() (epoch uint64, ok bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.hr.epoch, s.hr.started
+}
+
+// startDrainLocked marks the session as draining for epoch. The caller
+// holds mu and has checked that it was not draining yet.
+func (s *Session) startDrainLocked(epoch uint64) {
+	s.hr.started, s.hr.epoch = true, epoch
+	if s.hr.ch != nil {
+		close(s.hr.ch)
+	}
+}
+
+// handleHotRestart acts on a HotRestart message: a client starts draining
+// and acks at once if it has no stream. A second HotRestart is ignored.
+func (s *Session) handleHotRestart(payload []byte) error {
+	if !s.isClient {
+		return fmt.Errorf("%w: HotRestart sent to a server", ErrProtocol)
+	}
+	epoch, err := ParseEpoch(payload)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	first := !s.hr.started
+	if first {
+		s.startDrainLocked(epoch)
+	}
+	s.mu.Unlock()
+	if first {
+		s.cfg.Logger.Debug("shmlink: hot restart: draining", "remote", s.conn.RemoteAddr(), "epoch", epoch)
+	} else {
+		s.cfg.Logger.Debug("shmlink: repeated HotRestart ignored", "remote", s.conn.RemoteAddr(), "epoch", epoch)
+	}
+	s.maybeAck()
+	return nil
+}
+
+// handleHotRestartAck acts on a HotRestartAck message: a server whose
+// HotRestart it answers ends the session. It then returns ErrHotRestarted
+// to stop the receive loop (the session has ended already, so that error
+// is not recorded).
+func (s *Session) handleHotRestartAck(payload []byte) error {
+	if s.isClient {
+		return fmt.Errorf("%w: HotRestartAck sent to a client", ErrProtocol)
+	}
+	epoch, err := ParseEpoch(payload)
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	ok := s.hr.started && !s.hr.acked && epoch == s.hr.epoch
+	if ok {
+		s.hr.acked = true
+	}
+	want, started := s.hr.epoch, s.hr.started
+	s.mu.Unlock()
+	if !ok {
+		s.cfg.Logger.Warn("shmlink: unexpected HotRestartAck ignored", "remote", s.conn.RemoteAddr(),
+			"epoch", epoch, "sent", started, "want", want)
+		return nil
+	}
+	s.cfg.Logger.Debug("shmlink: hot restart acknowledged", "remote", s.conn.RemoteAddr(), "epoch", epoch)
+	s.fail(ErrHotRestarted)
+	return ErrHotRestarted
+}
+
+// maybeAck sends the HotRestartAck of a draining client session once it
+// has no stream left, neither open nor waiting for the server's close.
+// From the moment it decides to, OpenStream fails with ErrDraining, so no
+// stream can slip in after the ack.
+func (s *Session) maybeAck() {
+	if !s.isClient {
+		return
+	}
+	s.mu.Lock()
+	send := s.hr.started && !s.hr.acked && s.err == nil && len(s.streams) == 0 && len(s.live) == 0
+	if send {
+		s.hr.acked = true
+	}
+	epoch := s.hr.epoch
+	s.mu.Unlock()
+	if send {
+		s.cfg.Logger.Debug("shmlink: hot restart: acknowledging", "remote", s.conn.RemoteAddr(), "epoch", epoch)
+		s.writeCtl(AppendHotRestart(nil, s.version, TypeHotRestartAck, epoch))
+	}
+}

@@ -1,0 +1,159 @@
+package session
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// waitDone waits for ch for up to 10 s.
+func waitDone(t *testing.T, ch <-chan struct{}, what string) {
+	t.Helper()
+	select {
+	case <-ch:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("timed out waiting for %s", what)
+	}
+}
+
+// The whole exchange of PROTOCOL.md section 5: the client drains, keeps
+// its stream in flight working, acks once that stream is closed, and the
+// server then ends the session.
+func TestHotRestartDrain(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+
+	require.NoError(t, server.SendHotRestart(7))
+	require.ErrorIs(t, server.SendHotRestart(8), ErrDraining, "one hot restart per session")
+	waitDone(t, client.Draining(), "the client to see HotRestart")
+	epoch, ok := client.HotRestartEpoch()
+	require.True(t, ok)
+	require.Equal(t, uint64(7), epoch)
+	epoch, ok = server.HotRestartEpoch()
+	require.True(t, ok)
+	require.Equal(t, uint64(7), epoch)
+	select {
+	case <-server.Draining():
+	default:
+		t.Fatal("server not draining after SendHotRestart")
+	}
+
+	// The stream in flight keeps working both ways.
+	_, err := c.Write([]byte("request"))
+	require.NoError(t, err)
+	got := make([]byte, 7)
+	_, err = io.ReadFull(s, got)
+	require.NoError(t, err)
+	_, err = s.Write([]byte("reply"))
+	require.NoError(t, err)
+	_, err = io.ReadFull(c, got[:5])
+	require.NoError(t, err)
+	require.Equal(t, "reply", string(got[:5]))
+	require.NoError(t, server.Err(), "no ack while a stream is open")
+
+	require.NoError(t, c.Close())
+	waitDone(t, server.Done(), "the server to end the session after the ack")
+	require.ErrorIs(t, server.Err(), ErrHotRestarted)
+	waitDone(t, client.Done(), "the client to see the close")
+	require.ErrorIs(t, client.Err(), ErrPeerClosed)
+	require.NoError(t, s.Close())
+}
+
+// An idle client acks at once; from the ack on, OpenStream refuses with
+// ErrDraining even while the server has not closed the session (here it
+// never sent HotRestart, so it logs the ack and ignores it).
+func TestHotRestartAckBlocksOpen(t *testing.T) {
+	var log syncBuffer
+	scfg := &Config{Logger: slog.New(slog.NewTextHandler(&log, nil))}
+	client, server := pairWith(t, nil, scfg)
+	require.NoError(t, client.handleHotRestart(binary.BigEndian.AppendUint64(nil, 3)))
+	waitDone(t, client.Draining(), "draining")
+	c, err := client.OpenStream(context.Background())
+	require.ErrorIs(t, err, ErrDraining)
+	require.Nil(t, c)
+	require.Eventually(t, func() bool { return strings.Contains(log.String(), "unexpected HotRestartAck ignored") },
+		10*time.Second, time.Millisecond, "server log: %s", log.String())
+	require.NoError(t, server.Err())
+	require.NoError(t, client.Err())
+}
+
+// syncBuffer is a log destination safe for concurrent use.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// A second HotRestart changes nothing; the ack carries the first epoch.
+func TestHotRestartRepeated(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+	require.NoError(t, server.SendHotRestart(4))
+	waitDone(t, client.Draining(), "draining")
+	require.NoError(t, server.writeCtl(AppendHotRestart(nil, server.version, TypeHotRestart, 9)))
+	require.NoError(t, c.Close())
+	require.NoError(t, s.Close())
+	waitDone(t, server.Done(), "the ack")
+	require.ErrorIs(t, server.Err(), ErrHotRestarted)
+	epoch, _ := client.HotRestartEpoch()
+	require.Equal(t, uint64(4), epoch)
+}
+
+// HotRestart at a server, or HotRestartAck at a client, is a protocol
+// error that ends that session, never a crash.
+func TestHotRestartWrongDirection(t *testing.T) {
+	t.Run("HotRestart to a server", func(t *testing.T) {
+		client, server := pair(t, nil)
+		require.NoError(t, client.writeCtl(AppendHotRestart(nil, client.version, TypeHotRestart, 1)))
+		waitDone(t, server.Done(), "the server to fail")
+		require.ErrorIs(t, server.Err(), ErrProtocol)
+		require.ErrorContains(t, server.Err(), "HotRestart sent to a server")
+	})
+	t.Run("HotRestartAck to a client", func(t *testing.T) {
+		client, server := pair(t, nil)
+		require.NoError(t, server.writeCtl(AppendHotRestart(nil, server.version, TypeHotRestartAck, 1)))
+		waitDone(t, client.Done(), "the client to fail")
+		require.ErrorIs(t, client.Err(), ErrProtocol)
+		require.ErrorContains(t, client.Err(), "HotRestartAck sent to a client")
+	})
+	t.Run("SendHotRestart on a client", func(t *testing.T) {
+		client, _ := pair(t, nil)
+		require.ErrorIs(t, client.SendHotRestart(1), ErrNotServer)
+	})
+	t.Run("SendHotRestart after the end", func(t *testing.T) {
+		_, server := pair(t, nil)
+		require.NoError(t, server.Close())
+		require.ErrorIs(t, server.SendHotRestart(1), ErrSessionClosed)
+	})
+}
+
+// Shared-memory names carry the epoch, with the pid right after the
+// prefix, where removeStale looks for it.
+func TestRandomNameEpoch(t *testing.T) {
+	re := regexp.MustCompile(fmt.Sprintf(`^shmlink_%d_e42_[0-9a-f]{16}$`, os.Getpid()))
+	a, b := randomName(42), randomName(42)
+	require.Regexp(t, re, a)
+	require.NotEqual(t, a, b)
+}
