@@ -36,3 +36,13 @@ interop:
 	@command -v cargo >/dev/null || { echo "make interop: cargo not found in PATH (install Rust with rustup)" >&2; exit 1; }
 	$(GO) vet -tags interop ./interop/...
 	$(GO) test -race -tags interop -count=1 -timeout 15m -v ./interop/...
+
+# The randomized soak test (soak_test.go, TestSoak) for SOAKTIME, all its
+# variants together, under the race detector; `make test` runs it for a few
+# seconds. Every run logs its seed: SHMLINK_SOAK_SEED=<seed> repeats its
+# session settings and stream plans. Raise SOAKTIMEOUT with SOAKTIME.
+SOAKTIME ?= 2m
+SOAKTIMEOUT ?= 1h
+.PHONY: soak
+soak:
+	SHMLINK_SOAK=$(SOAKTIME) $(GO) test -race -count=1 -run '^TestSoak$$' -timeout $(SOAKTIMEOUT) -v .
