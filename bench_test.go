@@ -27,6 +27,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -36,6 +37,7 @@ import (
 	"github.com/hashicorp/yamux"
 	"github.com/quic-go/quic-go"
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/session"
 )
 
 // Modes of a benchmark connection: the first byte of its header.
@@ -110,6 +112,21 @@ func runBenchServer() int {
 	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, "bench server:", err)
 		return 1
+	}
+	if path := os.Getenv("SHMLINK_BENCH_SERVER_CPUPROFILE"); path != "" {
+		// The server's half of a profile: go test's -cpuprofile covers
+		// the client process only.
+		f, err := os.Create(path)
+		if err != nil {
+			return fail(err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return fail(err)
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			f.Close()
+		}()
 	}
 	shmLn, err := shmlink.Listen("unix", filepath.Join(dir, "shm.sock"))
 	if err != nil {
@@ -550,10 +567,10 @@ func BenchmarkStream(b *testing.B) {
 					}
 					c := bc.open(b, mode, size, n)
 					defer c.Close()
-					var fallback0 uint64
+					var stats0 session.Stats
 					st, _ := c.(*shmlink.Stream)
 					if st != nil {
-						fallback0 = st.Session().Stats().FallbackWrites
+						stats0 = st.Session().Stats()
 					}
 					buf := make([]byte, size)
 					b.SetBytes(int64(size))
@@ -577,7 +594,10 @@ func BenchmarkStream(b *testing.B) {
 					b.StopTimer()
 					b.ReportMetric(float64(n)/b.Elapsed().Seconds(), "msg/s")
 					if st != nil {
-						b.ReportMetric(float64(st.Session().Stats().FallbackWrites-fallback0), "fallbacks")
+						stats := st.Session().Stats()
+						b.ReportMetric(float64(stats.FallbackWrites-stats0.FallbackWrites), "fallbacks")
+						b.ReportMetric(float64(stats.WakeupsSent-stats0.WakeupsSent)/float64(n), "wakeups/op")
+						b.ReportMetric(float64(stats.MemoryFull-stats0.MemoryFull)/float64(n), "full/op")
 					}
 				})
 			}

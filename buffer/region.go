@@ -448,6 +448,19 @@ func (r *Region) Slice(off uint32) (SliceHeader, error) {
 	return h, nil
 }
 
+// FreeBytes returns the data capacity in bytes of the slices free now, in
+// every list: a snapshot of the lists' free counters (PROTOCOL.md section
+// 2), which both processes change concurrently. It reads shared memory
+// but takes no lock.
+func (r *Region) FreeBytes() int {
+	n := 0
+	for i := range r.lists {
+		l := &r.lists[i]
+		n += (int(l.cap) - l.used()) * int(l.dataSize)
+	}
+	return n
+}
+
 // SliceSize returns the data capacity in bytes of the slices of the list
 // that holds absolute offset off (the slice size of PROTOCOL.md section
 // 2), or 0 if off is not a slice header. It reads no shared memory.

@@ -51,7 +51,11 @@ type Session struct {
 	// sessionShmLimit bounds the unread bytes of all streams in the region
 	// (half of it), counted by shmUnread.
 	shmLimit, heapLimit, sessionShmLimit int
-	shmUnread                            atomic.Int64
+	// pressureBytes is the free capacity of the region (a quarter of it)
+	// below which those limits apply: with more free, nobody waits for
+	// slices and copying out would only slow the reader down.
+	pressureBytes int
+	shmUnread     atomic.Int64
 	// names are the files of a v2 handshake that this client created and
 	// still has to unlink; the v2 server sends no reply, so they go as
 	// soon as anything comes from it (see forgetNames).
@@ -164,9 +168,12 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 		dead:     make(chan struct{}),
 		recvDone: make(chan struct{}),
 	}
+	dataBytes := 0
 	for _, l := range mem.region.Lists() {
 		s.maxLinks += int(l.Cap)
+		dataBytes += int(l.Cap) * int(l.SliceSize)
 	}
+	s.pressureBytes = dataBytes / 4
 	switch s.shmLimit = c.StreamMemoryLimit; {
 	case s.shmLimit == 0:
 		s.shmLimit = mem.region.Len() / 4

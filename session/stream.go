@@ -6,6 +6,7 @@ import (
 	"net"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
@@ -49,6 +50,8 @@ type Stream struct {
 	rhead         int
 	buffered      int           // unread bytes in recv
 	shm           int           // capacity of the slices that recv's unread bytes occupy
+	inRead        atomic.Bool   // a read call is running
+	lastRead      atomic.Int64  // when the last read call ended, Unix ns
 	held          []uint32      // consumed slices with a zero-copy view out
 	remoteClosed  bool          // the peer's close arrived
 	closed        bool          // Close was called
@@ -167,11 +170,14 @@ func (st *Stream) pushChain(off uint32) error {
 	}
 	st.s.ctr.bytesReceived.Add(uint64(total))
 	overShm := st.shm+charge > st.s.shmLimit || st.s.shmUnread.Load()+int64(charge) > int64(st.s.sessionShmLimit)
-	if overShm && st.buffered-st.shm+total <= st.s.heapLimit {
+	if overShm && st.buffered-st.shm+total <= st.s.heapLimit && region.FreeBytes() < st.s.pressureBytes && st.stalled() {
 		// Over the stream's share of shared memory, or over the share of
-		// all our unread data: copy the message out and free its slices
-		// now, so that a stalled reader holds heap, not slices that the
-		// other streams, or writers on either side, need.
+		// all our unread data, while the region runs short and the reader
+		// has stalled: copy the message out and free its slices now, so
+		// that a stalled reader holds heap, not slices that the other
+		// streams, or writers on either side, need. A reader that keeps
+		// reading only slows its writer down (backpressure): copying its
+		// data out would slow it down further.
 		data := make([]byte, 0, total)
 		cr.Reset(region, off) // cannot fail: it did above
 		for {
@@ -371,6 +377,8 @@ func (st *Stream) readyFor(want int) bool {
 func (st *Stream) Read(p []byte) (int, error) {
 	st.rmu.Lock()
 	defer st.rmu.Unlock()
+	st.inRead.Store(true)
+	defer st.leaveRead()
 	if len(p) == 0 {
 		return 0, nil
 	}
@@ -384,6 +392,23 @@ func (st *Stream) Read(p []byte) (int, error) {
 		st.s.fail(&SessionError{Op: "read", Err: err})
 	}
 	return n, nil
+}
+
+// stallTime is how long a stream's reader must have been out of every
+// read call before its data may be copied out of shared memory (see
+// pushChain).
+const stallTime = time.Millisecond
+
+// leaveRead records the end of a read call.
+func (st *Stream) leaveRead() {
+	st.lastRead.Store(time.Now().UnixNano())
+	st.inRead.Store(false)
+}
+
+// stalled reports whether the stream's reader has stayed out of every read
+// call for stallTime: it does not read, for now, what it has.
+func (st *Stream) stalled() bool {
+	return !st.inRead.Load() && time.Now().UnixNano()-st.lastRead.Load() > int64(stallTime)
 }
 
 // consumeLocked moves up to n buffered bytes into p (or drops them when p
@@ -474,6 +499,8 @@ func (st *Stream) dropHeadLocked() {
 func (st *Stream) Peek(n int) ([]byte, error) {
 	st.rmu.Lock()
 	defer st.rmu.Unlock()
+	st.inRead.Store(true)
+	defer st.leaveRead()
 	return st.peek(n)
 }
 
@@ -527,6 +554,8 @@ func (st *Stream) peek(n int) ([]byte, error) {
 func (st *Stream) ReadBytes(n int) ([]byte, error) {
 	st.rmu.Lock()
 	defer st.rmu.Unlock()
+	st.inRead.Store(true)
+	defer st.leaveRead()
 	b, err := st.peek(n)
 	if err != nil {
 		return nil, err
@@ -546,6 +575,8 @@ func (st *Stream) ReadBytes(n int) ([]byte, error) {
 func (st *Stream) ReadChunk(max int) ([]byte, error) {
 	st.rmu.Lock()
 	defer st.rmu.Unlock()
+	st.inRead.Store(true)
+	defer st.leaveRead()
 	if max <= 0 {
 		return nil, errors.New("shmlink: ReadChunk of a non-positive length")
 	}
@@ -574,6 +605,8 @@ func (st *Stream) ReadChunk(max int) ([]byte, error) {
 func (st *Stream) Discard(n int) (int, error) {
 	st.rmu.Lock()
 	defer st.rmu.Unlock()
+	st.inRead.Store(true)
+	defer st.leaveRead()
 	return st.discard(n)
 }
 
@@ -746,8 +779,79 @@ func (st *Stream) waitSpace(tries int) error {
 		runtime.Gosched()
 		return nil
 	}
+	if tries%16 == 0 {
+		// Our own unread data may be what fills the region: an echo
+		// server blocked here holds the request it has not read yet.
+		st.s.spillStalled()
+	}
 	time.Sleep(time.Duration(4<<min(tries-16, 6)) * time.Microsecond)
 	return st.writeCheck()
+}
+
+// spillStalled copies out of shared memory the unread data of every
+// stream whose reader has stalled (see pushChain), while the region runs
+// short, so that a writer of ours waiting for space is not waiting for
+// its own session's readers.
+func (s *Session) spillStalled() {
+	s.memMu.RLock()
+	defer s.memMu.RUnlock()
+	if s.mem == nil || s.mem.region.FreeBytes() >= s.pressureBytes {
+		return
+	}
+	s.mu.Lock()
+	streams := make([]*Stream, 0, len(s.live))
+	for st := range s.live {
+		streams = append(streams, st)
+	}
+	s.mu.Unlock()
+	for _, st := range streams {
+		if st.stalled() {
+			st.spill()
+		}
+	}
+}
+
+// spill replaces every unread message of st held in shared memory by a
+// copy on the heap, within Config.StreamHeapLimit, and frees its slices.
+// Messages with a zero-copy view out stay. The caller holds memMu's read
+// lock with the memory mapped.
+func (st *Stream) spill() {
+	region := st.s.mem.region
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	for i := st.rhead; i < len(st.recv); i++ {
+		c := &st.recv[i]
+		if c.off == 0 || c.pinned {
+			continue
+		}
+		if st.buffered-st.shm+c.remain > st.s.heapLimit {
+			return
+		}
+		data := make([]byte, 0, c.remain)
+		data = append(data, c.data...)
+		left, next, hasNext, links := c.remain-len(c.data), c.next, c.hasNext, c.links
+		for hasNext && left > 0 && links < st.s.maxLinks {
+			p, nx, hn, err := region.Payload(next)
+			if err != nil {
+				break
+			}
+			p = p[:min(len(p), left)]
+			data = append(data, p...)
+			left -= len(p)
+			next, hasNext, links = nx, hn, links+1
+		}
+		if len(data) != c.remain {
+			continue // a corrupt chain: the reader will find it
+		}
+		region.Free(c.off)
+		if c.hasNext {
+			region.FreeChain(c.next)
+		}
+		st.shm -= c.charge
+		st.s.shmUnread.Add(-int64(c.charge))
+		st.s.ctr.spilled.Add(uint64(len(data)))
+		*c = chunk{data: data, remain: len(data)}
+	}
 }
 
 // publishLocked finishes the chain in st.w and puts its event. On failure
