@@ -123,9 +123,13 @@ type Config struct {
 	// receive queue in shared memory, after the last event it saw, before
 	// it sleeps until the peer's wakeup message. While it polls, the peer
 	// sends no wakeups, so a message costs no system call; the price is a
-	// busy CPU for up to PollTime after traffic stops. Default
-	// DefaultPollTime (50 µs); negative turns polling off (every wait
-	// sleeps, every message after a pause costs a wakeup).
+	// busy CPU for up to PollTime after traffic stops. A reader that got
+	// its data leaves the flag that spares the peer's wakeups set for one
+	// to two PollTimes more (about 1 ms when the process is otherwise
+	// idle, Go's timer resolution), unless another reader sleeps: events
+	// for streams nobody is reading wait that long at most (lease.go).
+	// Default DefaultPollTime (50 µs); negative turns polling off (every
+	// wait sleeps, every message after a pause costs a wakeup).
 	PollTime time.Duration
 
 	// StreamMemoryLimit is how many bytes of the buffer region one stream's

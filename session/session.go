@@ -73,11 +73,20 @@ type Session struct {
 	drainMu sync.Mutex
 	// polling is set while a reader polls the receive queue holding its
 	// working flag at 1 (at most one reader per session does).
-	polling  atomic.Bool
-	sendMu   sync.Mutex
-	ctlMu    sync.Mutex // serializes writes on conn
-	scratch  []byte     // message buffer, guarded by ctlMu
-	released atomic.Bool
+	polling atomic.Bool
+	// The working-flag lease (lease.go): waiters counts the goroutines
+	// blocked for the session's events; leaseSeq counts the polls that
+	// ended with a lease, tickSeq is its value at the last leaseTick, and
+	// leaseArmed is set while leaseTimer runs.
+	waiters    atomic.Int32
+	leaseSeq   atomic.Uint64
+	tickSeq    atomic.Uint64
+	leaseArmed atomic.Bool
+	leaseTimer *time.Timer
+	sendMu     sync.Mutex
+	ctlMu      sync.Mutex // serializes writes on conn
+	scratch    []byte     // message buffer, guarded by ctlMu
+	released   atomic.Bool
 	// closeCalled is set by the first Close.
 	closeCalled atomic.Bool
 	ctr         counters
@@ -168,6 +177,7 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 		dead:     make(chan struct{}),
 		recvDone: make(chan struct{}),
 	}
+	s.leaseTimer = s.newLeaseTimer()
 	dataBytes := 0
 	for _, l := range mem.region.Lists() {
 		s.maxLinks += int(l.Cap)
@@ -317,7 +327,9 @@ func (s *Session) announce(ctx context.Context, st *Stream) error {
 		s.fail(&SessionError{Op: "open stream", Err: err})
 		return s.Err()
 	}
-	err = s.putEvent(queue.Event{StreamID: st.id, Offset: off, Status: stateOpen}, nil, ctx.Done())
+	// The announcement always wakes the server: its AcceptStream must not
+	// wait for the end of a lease of the working flag.
+	err = s.putEvent(queue.Event{StreamID: st.id, Offset: off, Status: stateOpen}, nil, ctx.Done(), true)
 	if err != nil {
 		region.Free(off)
 		if err == errDeadline {
@@ -402,6 +414,7 @@ func (s *Session) fail(err error) {
 		if s.idleTimer != nil {
 			s.idleTimer.Stop()
 		}
+		s.leaseTimer.Stop()
 		sts := make([]*Stream, 0, len(s.live))
 		for st := range s.live {
 			sts = append(sts, st)
@@ -809,12 +822,13 @@ func (s *Session) dispatchLocked(ev queue.Event, data []byte) error {
 }
 
 // putEvent publishes one event on the send queue and wakes the peer if it
-// is idle (PROTOCOL.md section 3.3). It waits for room while the queue is
+// is idle (PROTOCOL.md section 3.3), or with wake set whatever its working
+// flag says (a peer of this package may lease the flag: lease.go). It waits for room while the queue is
 // full, until closed is closed (ErrStreamClosed), cancel is closed
 // (errDeadline), the session ends, or
 // Config.QueueFullTimeout passes (ErrQueueFull). The caller holds memMu's
 // read lock with the memory mapped.
-func (s *Session) putEvent(ev queue.Event, closed, cancel <-chan struct{}) error {
+func (s *Session) putEvent(ev queue.Event, closed, cancel <-chan struct{}, wake bool) error {
 	send := s.mem.send
 	var start time.Time
 	for spins := 0; ; spins++ {
@@ -852,7 +866,7 @@ func (s *Session) putEvent(ev queue.Event, closed, cancel <-chan struct{}) error
 			time.Sleep(min(time.Duration(spins-63)*10*time.Microsecond, time.Millisecond))
 		}
 	}
-	if send.MarkWorking() {
+	if send.MarkWorking() || wake {
 		s.ctr.wakeupsSent.Add(1)
 		return s.writeCtl(s.pollMsg)
 	}

@@ -51,7 +51,7 @@ type Stream struct {
 	buffered      int           // unread bytes in recv
 	shm           int           // capacity of the slices that recv's unread bytes occupy
 	inRead        atomic.Bool   // a read call is running
-	lastRead      atomic.Int64  // when the last read call ended, Unix ns
+	lastRead      atomic.Int64  // when a recent read call ended, Unix ns (see leaveRead)
 	held          []uint32      // consumed slices with a zero-copy view out
 	remoteClosed  bool          // the peer's close arrived
 	closed        bool          // Close was called
@@ -62,7 +62,9 @@ type Stream struct {
 	closedCh      chan struct{} // closed by Close
 	rdl, wdl      deadline
 
-	rmu       sync.Mutex // serializes readers
+	rmu       sync.Mutex // serializes readers; guards reads and waited
+	reads     uint64     // read calls ended
+	waited    bool       // the current read call waited for data
 	wmu       sync.Mutex // serializes writers; guards the fields below
 	w         buffer.ChainWriter
 	pending   []byte // reserved bytes that did not fit in shared memory
@@ -283,15 +285,21 @@ func (st *Stream) waitReadable(want int) error {
 			return errDeadline
 		default:
 		}
+		st.waited = true
 		if st.poll(want) {
 			continue
 		}
+		// About to sleep until the receive loop delivers: end any lease
+		// of the working flag, so that the peer wakes us (lease.go).
+		s.waiters.Add(1)
+		s.settle()
 		select {
 		case <-st.readCh:
 		case <-s.dead:
 		case <-st.closedCh:
 		case <-st.rdl.wait():
 		}
+		s.waiters.Add(-1)
 	}
 }
 
@@ -312,14 +320,12 @@ func (st *Stream) poll(want int) bool {
 	if s.cfg.PollTime <= 0 || !s.polling.CompareAndSwap(false, true) {
 		return false
 	}
-	defer func() {
-		s.polling.Store(false)
-		// Settle the working flag: clear it, then drain what came meanwhile.
-		if err := s.drain(); err != nil && !errors.Is(err, ErrSessionClosed) {
-			s.fail(&SessionError{Op: "read", Err: err})
-		}
-	}()
+	// Got what it waited for, the reader leases the working flag to its
+	// next poll (lease.go); otherwise it settles the flag.
+	ready := false
+	defer func() { s.endPoll(ready) }()
 	idleSince := time.Now()
+	drained := false // since the last look at the clock
 	for {
 		s.memMu.RLock()
 		if s.mem == nil {
@@ -328,11 +334,17 @@ func (st *Stream) poll(want int) bool {
 		}
 		recv := s.mem.recv
 		recv.SetWorking()
+		// st is checked at the start of a batch and after each drain; in
+		// between the loop only reads the queue's tail, so that a reader
+		// waiting for its peer does not slow the peer down.
+		check := true
 		for range pollBatch {
-			if st.readyFor(want) {
+			if check && st.readyFor(want) {
 				s.memMu.RUnlock()
+				ready = true
 				return true
 			}
+			check = false
 			if recv.Empty() || !s.drainMu.TryLock() {
 				continue
 			}
@@ -343,7 +355,12 @@ func (st *Stream) poll(want int) bool {
 				s.fail(&SessionError{Op: "read", Err: err})
 				return true
 			}
-			idleSince = time.Now()
+			drained, check = true, true
+		}
+		if st.readyFor(want) {
+			s.memMu.RUnlock()
+			ready = true
+			return true
 		}
 		s.memMu.RUnlock()
 		select {
@@ -355,7 +372,9 @@ func (st *Stream) poll(want int) bool {
 			return true
 		default:
 		}
-		if time.Since(idleSince) > s.cfg.PollTime {
+		if now := time.Now(); drained {
+			idleSince, drained = now, false
+		} else if now.Sub(idleSince) > s.cfg.PollTime {
 			return false
 		}
 		// Let the process's other goroutines run; the peer runs on its own.
@@ -399,11 +418,23 @@ func (st *Stream) Read(p []byte) (int, error) {
 // pushChain).
 const stallTime = time.Millisecond
 
-// leaveRead records the end of a read call.
+// leaveRead records the end of a read call. Reading the clock would cost a
+// busy reader more than a small read itself, so the time is recorded only
+// after a read that waited, and after every stampEvery-th read: one that
+// finds its data buffered each time stamps at least every stampEvery reads.
+// The caller holds rmu.
 func (st *Stream) leaveRead() {
-	st.lastRead.Store(time.Now().UnixNano())
+	st.reads++
+	if st.waited || st.reads%stampEvery == 0 {
+		st.lastRead.Store(time.Now().UnixNano())
+		st.waited = false
+	}
 	st.inRead.Store(false)
 }
+
+// stampEvery is how many read calls may end between two stamps of
+// lastRead.
+const stampEvery = 8
 
 // stalled reports whether the stream's reader has stayed out of every read
 // call for stallTime: it does not read, for now, what it has.
@@ -862,7 +893,7 @@ func (st *Stream) publishLocked() error {
 	if size == 0 {
 		return nil
 	}
-	err := st.s.putEvent(queue.Event{StreamID: st.id, Offset: head, Status: stateOpen}, st.closedCh, st.wdl.wait())
+	err := st.s.putEvent(queue.Event{StreamID: st.id, Offset: head, Status: stateOpen}, st.closedCh, st.wdl.wait(), false)
 	if err != nil {
 		st.s.mem.region.FreeChain(head)
 		return err

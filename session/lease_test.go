@@ -1,0 +1,139 @@
+package session
+
+import (
+	"context"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// readAsync starts a read of len(buf) bytes from st and returns the channel
+// that receives its error.
+func readAsync(st *Stream, buf []byte) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		_, err := io.ReadFull(st, buf)
+		done <- err
+	}()
+	return done
+}
+
+// waitFor polls cond until it holds; the test fails after 10 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	require.Eventually(t, cond, 10*time.Second, 100*time.Microsecond, what)
+}
+
+// leaseOnce makes st's reader poll (PollTime must be long), sends it one
+// byte from c, and returns once the read got it: the poll ended with a
+// lease of the server's working flag.
+func leaseOnce(t *testing.T, server *Session, c, st *Stream) {
+	t.Helper()
+	buf := make([]byte, 1)
+	done := readAsync(st, buf)
+	waitFor(t, "the reader polls", server.polling.Load)
+	_, err := c.Write([]byte{'a'})
+	require.NoError(t, err)
+	require.NoError(t, <-done)
+	require.Equal(t, byte('a'), buf[0])
+}
+
+// A reader that got its data and comes back for more keeps the working
+// flag leased in between: the writer's messages meanwhile cost no wakeup.
+func TestLeaseSkipsWakeups(t *testing.T) {
+	cfg := &Config{PollTime: time.Hour} // no poll or lease ends by time here
+	client, server := pair(t, cfg)
+	c, s := streamPair(t, client, server)
+	leaseOnce(t, server, c, s)
+
+	buf := make([]byte, 1)
+	for i := range 50 {
+		before := client.Stats().WakeupsSent
+		// The server is between two reads: nobody polls its queue.
+		require.False(t, server.polling.Load())
+		_, err := c.Write([]byte{byte(i)})
+		require.NoError(t, err)
+		require.Equal(t, before, client.Stats().WakeupsSent, "message %d woke the server", i)
+		_, err = io.ReadFull(s, buf)
+		require.NoError(t, err)
+		require.Equal(t, byte(i), buf[0])
+	}
+}
+
+// A poll that ends while another reader sleeps waiting for the session's
+// events settles the flag instead of leasing it, so that the peer's next
+// event wakes the sleeper.
+func TestLeaseYieldsToBlockedReader(t *testing.T) {
+	cfg := &Config{PollTime: time.Hour}
+	client, server := pair(t, cfg)
+	ca, sa := streamPair(t, client, server)
+	cb, sb := streamPair(t, client, server)
+	leaseOnce(t, server, ca, sa)
+
+	// A polls again; B, finding a poller, sleeps.
+	bufA, bufB := make([]byte, 1), make([]byte, 1)
+	doneA := readAsync(sa, bufA)
+	waitFor(t, "A polls", server.polling.Load)
+	require.NoError(t, sb.SetReadDeadline(time.Now().Add(10*time.Second)))
+	doneB := readAsync(sb, bufB)
+	waitFor(t, "B sleeps", func() bool { return server.waiters.Load() == 1 })
+
+	_, err := ca.Write([]byte{'A'})
+	require.NoError(t, err)
+	require.NoError(t, <-doneA)
+
+	before := client.Stats().WakeupsSent
+	_, err = cb.Write([]byte{'B'})
+	require.NoError(t, err)
+	require.NoError(t, <-doneB, "B's data waited for a lease to end")
+	require.Equal(t, byte('B'), bufB[0])
+	require.Equal(t, before+1, client.Stats().WakeupsSent, "B's data came with a wakeup")
+}
+
+// A lease that no poll renews ends by itself: the flag goes back to 0, the
+// events that came meanwhile are delivered without a reader, and the lease
+// timer stops.
+func TestLeaseExpires(t *testing.T) {
+	cfg := &Config{PollTime: 50 * time.Millisecond}
+	client, server := pair(t, cfg)
+	c, s := streamPair(t, client, server)
+	// On a loaded machine the reader may stop polling before the byte
+	// comes; retry until a poll ends with the lease.
+	for i := 0; server.leaseSeq.Load() == 0; i++ {
+		require.Less(t, i, 100, "no poll ended with a lease")
+		leaseOnce(t, server, c, s)
+	}
+	_, err := c.Write([]byte("late"))
+	require.NoError(t, err)
+	waitFor(t, "the flag is settled", func() bool {
+		return !server.mem.recv.Working() && !server.leaseArmed.Load()
+	})
+	waitFor(t, "the late bytes are delivered", func() bool { return s.Buffered() == 4 })
+	buf := make([]byte, 4)
+	_, err = io.ReadFull(s, buf)
+	require.NoError(t, err)
+	require.Equal(t, "late", string(buf))
+}
+
+// A new stream's announcement wakes the server even while its flag is
+// leased: AcceptStream does not wait for the lease to end.
+func TestAnnounceWakesLeasedServer(t *testing.T) {
+	cfg := &Config{PollTime: time.Hour}
+	client, server := pair(t, cfg)
+	c, s := streamPair(t, client, server)
+	leaseOnce(t, server, c, s)
+	require.True(t, server.mem.recv.Working(), "the flag is leased")
+
+	before := client.Stats().WakeupsSent
+	st, err := client.OpenStream(t.Context())
+	require.NoError(t, err)
+	defer st.Close()
+	require.Equal(t, before+1, client.Stats().WakeupsSent)
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	acc, err := server.AcceptStream(ctx)
+	require.NoError(t, err)
+	require.Equal(t, st.ID(), acc.ID())
+}
