@@ -26,11 +26,18 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	require.Eventually(t, cond, 10*time.Second, 100*time.Microsecond, what)
 }
 
-// leaseOnce makes st's reader poll (PollTime must be long), sends it one
-// byte from c, and returns once the read got it: the poll ended with a
-// lease of the server's working flag.
+// leaseOnce waits until the server has handled every wakeup the client
+// sent, makes st's reader poll (PollTime must be long), sends it one byte
+// from c, and returns once the read got it: the poll ended with a lease of
+// the server's working flag.
 func leaseOnce(t *testing.T, server *Session, c, st *Stream) {
 	t.Helper()
+	// A wakeup still on its way (from opening the stream) would settle
+	// the flag after the lease: wait until the server handled them all.
+	client := c.Session()
+	waitFor(t, "the wakeups are handled", func() bool {
+		return server.Stats().WakeupsReceived == client.Stats().WakeupsSent
+	})
 	buf := make([]byte, 1)
 	done := readAsync(st, buf)
 	waitFor(t, "the reader polls", server.polling.Load)

@@ -649,8 +649,11 @@ func (s *Session) recvLoop() {
 func (s *Session) handle(h Header, payload []byte) error {
 	switch h.Type {
 	case TypePolling:
+		// Counted once handled, so that a count equal to the peer's
+		// WakeupsSent means no wakeup is still on its way to a drain.
+		err := s.drain()
 		s.ctr.wakeupsReceived.Add(1)
-		return s.drain()
+		return err
 	case TypeStreamClose:
 		id, err := ParseStreamClose(payload)
 		if err != nil {
