@@ -52,26 +52,10 @@ func echoListener(t *testing.T, network string, log *logBuffer) (*shmlink.Listen
 	lc := shmlink.ListenConfig{Config: cfg}
 	ln, err := lc.Listen(context.Background(), network, addr)
 	require.NoError(t, err)
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				serveStream(c)
-			}()
-		}
-	}()
+	wait := serveStreams(ln)
 	t.Cleanup(func() {
 		ln.Close()
-		wg.Wait()
+		wait()
 	})
 	return ln, cfg
 }

@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -86,21 +85,7 @@ func TestCloseLeavesNothing(t *testing.T) {
 			lc := shmlink.ListenConfig{Config: cfg}
 			ln, err := lc.Listen(context.Background(), tr.network, addr)
 			require.NoError(t, err)
-			var served sync.WaitGroup
-			served.Add(1)
-			go func() {
-				defer served.Done()
-				for {
-					c, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					go func() {
-						defer c.Close()
-						serveStream(c)
-					}()
-				}
-			}()
+			wait := serveStreams(ln)
 			d := &shmlink.Dialer{Config: cfg}
 			for i, n := range []int{10, 200 << 10, 2 << 20} {
 				c, err := d.Dial(tr.network, ln.Addr().String())
@@ -117,7 +102,7 @@ func TestCloseLeavesNothing(t *testing.T) {
 			_, err = c.Write([]byte("x"))
 			require.ErrorIs(t, err, net.ErrClosed)
 			require.NoError(t, ln.Close())
-			served.Wait()
+			wait()
 			requireNoLeaks(t, base, dir)
 		})
 	}
@@ -128,18 +113,7 @@ func TestDialOwnsSession(t *testing.T) {
 	dir := t.TempDir()
 	ln, err := shmlink.Listen("unix", filepath.Join(dir, "s.sock"))
 	require.NoError(t, err)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				serveStream(c)
-			}()
-		}
-	}()
+	serveStreams(ln)
 	base := snapshot(t)
 	c, err := shmlink.Dial("unix", ln.Addr().String())
 	require.NoError(t, err)

@@ -113,6 +113,35 @@ func runPeer(role string) int {
 	return code
 }
 
+// serveEach accepts streams on ln until it is closed and runs handle on
+// each in a goroutine of its own, closing the stream after; wait waits for
+// the accept loop and every handler.
+func serveEach(ln net.Listener, handle func(net.Conn)) (wait func()) {
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				defer c.Close()
+				handle(c)
+			}()
+		}
+	}()
+	return wg.Wait
+}
+
+// serveStreams is serveEach with serveStream as the handler.
+func serveStreams(ln net.Listener) (wait func()) {
+	return serveEach(ln, func(c net.Conn) { serveStream(c) })
+}
+
 func serveStream(conn net.Conn) error {
 	var hdr [9]byte
 	if _, err := io.ReadFull(conn, hdr[:]); err != nil {

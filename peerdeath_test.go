@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -298,27 +299,13 @@ func TestPeerDeathClient(t *testing.T) {
 		t.Run(tr.name, func(t *testing.T) {
 			ln, cfg := listen(t, tr.network)
 			ends := make(chan streamEnd, 2*peerDeathStreams)
-			var handlers sync.WaitGroup
-			handlers.Add(1)
-			go func() {
-				defer handlers.Done()
-				for {
-					c, err := ln.Accept()
-					if err != nil {
-						return
-					}
-					handlers.Add(1)
-					go func() {
-						defer handlers.Done()
-						defer c.Close()
-						_, err := io.Copy(c, c)
-						ends <- streamEnd{at: time.Now(), err: err, s: c.(*shmlink.Stream).Session()}
-					}()
-				}
-			}()
+			wait := serveEach(ln, func(c net.Conn) {
+				_, err := io.Copy(c, c)
+				ends <- streamEnd{at: time.Now(), err: err, s: c.(*shmlink.Stream).Session()}
+			})
 			defer func() {
 				ln.Close()
-				handlers.Wait()
+				wait()
 			}()
 			base := snapshot(t, cfg.ShmDir)
 			env := []string{"SHMLINK_TEST_NET=" + tr.network, "SHMLINK_TEST_ADDR=" + ln.Addr().String(),

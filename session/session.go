@@ -826,9 +826,9 @@ func (s *Session) dispatchLocked(ev queue.Event, data []byte) error {
 
 // putEvent publishes one event on the send queue and wakes the peer if it
 // is idle (PROTOCOL.md section 3.3), or with wake set whatever its working
-// flag says (a peer of this package may lease the flag: lease.go). It waits for room while the queue is
-// full, until closed is closed (ErrStreamClosed), cancel is closed
-// (errDeadline), the session ends, or
+// flag says (a peer of this package may lease the flag: lease.go). It
+// waits for room while the queue is full, until closed is closed
+// (ErrStreamClosed), cancel is closed (errDeadline), the session ends, or
 // Config.QueueFullTimeout passes (ErrQueueFull). The caller holds memMu's
 // read lock with the memory mapped.
 func (s *Session) putEvent(ev queue.Event, closed, cancel <-chan struct{}, wake bool) error {

@@ -334,17 +334,11 @@ func (st *Stream) poll(want int) bool {
 		}
 		recv := s.mem.recv
 		recv.SetWorking()
-		// st is checked at the start of a batch and after each drain; in
-		// between the loop only reads the queue's tail, so that a reader
-		// waiting for its peer does not slow the peer down.
-		check := true
+		// st is checked after each drain and at the end of a batch (the
+		// caller checked it before the first); in between the loop only
+		// reads the queue's tail, so that a reader waiting for its peer
+		// does not slow the peer down.
 		for range pollBatch {
-			if check && st.readyFor(want) {
-				s.memMu.RUnlock()
-				ready = true
-				return true
-			}
-			check = false
 			if recv.Empty() || !s.drainMu.TryLock() {
 				continue
 			}
@@ -355,7 +349,12 @@ func (st *Stream) poll(want int) bool {
 				s.fail(&SessionError{Op: "read", Err: err})
 				return true
 			}
-			drained, check = true, true
+			drained = true
+			if st.readyFor(want) {
+				s.memMu.RUnlock()
+				ready = true
+				return true
+			}
 		}
 		if st.readyFor(want) {
 			s.memMu.RUnlock()
