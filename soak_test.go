@@ -223,6 +223,16 @@ func (r *soakRun) hasFailed() bool {
 	}
 }
 
+// printSessions writes, for a hung run, every session the run saw: its
+// side, why it ended (nil: alive) and its counters.
+func (r *soakRun) printSessions() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for s, client := range r.sessions {
+		fmt.Fprintf(os.Stderr, "session %p client=%v err=%v stats=%+v\n", s, client, s.Err(), s.Stats())
+	}
+}
+
 // track remembers the session of a stream.
 func (r *soakRun) track(c net.Conn, client bool) {
 	r.mu.Lock()
@@ -249,6 +259,7 @@ func (r *soakRun) watchdog() (stop func()) {
 				} else if now.Sub(since) > soakStall {
 					buf := make([]byte, 16<<20)
 					fmt.Fprintf(os.Stderr, "soak: no progress for %v (%s=%d)\n%s\n", soakStall, soakSeedEnv, r.seed, buf[:runtime.Stack(buf, true)])
+					r.printSessions()
 					panic("soak: hung")
 				}
 			}
