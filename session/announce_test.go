@@ -22,8 +22,8 @@ import (
 // drains the queue as a polling reader would.
 func TestFallbackAnnounceNotOvertaken(t *testing.T) {
 	client, server := pair(t, tinyConfig())
-	client.memMu.RLock()
-	region := client.mem.region
+	client.shm.mu.RLock()
+	region := client.shm.mem.region
 	var taken []uint32
 	for {
 		off, err := region.Alloc(0)
@@ -32,26 +32,26 @@ func TestFallbackAnnounceNotOvertaken(t *testing.T) {
 		}
 		taken = append(taken, off)
 	}
-	client.memMu.RUnlock()
+	client.shm.mu.RUnlock()
 	defer func() {
-		client.memMu.RLock()
+		client.shm.mu.RLock()
 		for _, off := range taken {
 			region.Free(off)
 		}
-		client.memMu.RUnlock()
+		client.shm.mu.RUnlock()
 	}()
 
-	server.drainMu.Lock()
+	server.rx.mu.Lock()
 	c, err := client.OpenStream(context.Background())
 	if err != nil {
-		server.drainMu.Unlock()
+		server.rx.mu.Unlock()
 		require.NoError(t, err)
 	}
 	require.NoError(t, c.Close())
-	server.memMu.RLock()
-	err = server.drainLocked(false)
-	server.memMu.RUnlock()
-	server.drainMu.Unlock()
+	server.shm.mu.RLock()
+	err = server.harvestLocked(server.shm.mem, false)
+	server.shm.mu.RUnlock()
+	server.rx.mu.Unlock()
 	require.NoError(t, err)
 
 	s := accept(t, server)

@@ -91,23 +91,23 @@ func fuzzReceive(t *testing.T, cfg *Config, ops []byte) {
 		for len(ops) >= 12 && !isClosedChan(server.dead) {
 			// Touch the client's memory only while it is mapped: a session
 			// that ended with no stream left unmaps it.
-			client.memMu.RLock()
-			if client.mem == nil {
-				client.memMu.RUnlock()
+			client.shm.mu.RLock()
+			if client.shm.mem == nil {
+				client.shm.mu.RUnlock()
 				break
 			}
-			mem := *client.mem
-			client.memMu.RUnlock()
+			mem := *client.shm.mem
+			client.shm.mu.RUnlock()
 			kind, extra := ops[0]%4, binary.LittleEndian.Uint16(ops[2:])
 			off, val := binary.LittleEndian.Uint32(ops[4:]), binary.LittleEndian.Uint32(ops[8:])
 			ops = ops[12:]
 			switch kind {
 			case 0, 1, 2:
-				client.memMu.RLock()
-				if client.mem != nil {
+				client.shm.mu.RLock()
+				if client.shm.mem != nil {
 					hostile(client, &mem, kind, extra, off, val)
 				}
-				client.memMu.RUnlock()
+				client.shm.mu.RUnlock()
 			case 3: // a well-formed write on a new stream
 				if st, err := client.OpenStream(ctx); err == nil {
 					st.SetWriteDeadline(time.Now().Add(time.Second))
@@ -152,11 +152,11 @@ func hostile(client *Session, mem *memory, kind byte, extra uint16, off, val uin
 		o := int(off) % (len(mem.queueMem) - 3) &^ 3
 		binary.LittleEndian.PutUint32(mem.queueMem[o:], val)
 	case 2: // put an arbitrary event and wake the server
-		client.sendMu.Lock()
+		client.putMu.Lock()
 		err := mem.send.Put(queue.Event{StreamID: uint32(extra), Offset: off, Status: val})
-		client.sendMu.Unlock()
+		client.putMu.Unlock()
 		if err == nil && mem.send.MarkWorking() {
-			client.writeCtl(client.pollMsg)
+			client.writeCtl(client.ctl.pollMsg)
 		}
 	}
 }

@@ -150,7 +150,7 @@ func (s *Session) maybeAck() {
 		return
 	}
 	s.mu.Lock()
-	send := s.hr.started && !s.hr.acked && s.err == nil && len(s.streams) == 0 && len(s.live) == 0
+	send := s.hr.started && !s.hr.acked && s.err == nil && len(s.tab.routed) == 0 && len(s.tab.live) == 0
 	if send {
 		s.hr.acked = true
 	}

@@ -40,7 +40,7 @@ func leaseOnce(t *testing.T, server *Session, c, st *Stream) {
 	})
 	buf := make([]byte, 1)
 	done := readAsync(st, buf)
-	waitFor(t, "the reader polls", server.polling.Load)
+	waitFor(t, "the reader polls", server.rx.spinning.Load)
 	_, err := c.Write([]byte{'a'})
 	require.NoError(t, err)
 	require.NoError(t, <-done)
@@ -59,7 +59,7 @@ func TestLeaseSkipsWakeups(t *testing.T) {
 	for i := range 50 {
 		before := client.Stats().WakeupsSent
 		// The server is between two reads: nobody polls its queue.
-		require.False(t, server.polling.Load())
+		require.False(t, server.rx.spinning.Load())
 		_, err := c.Write([]byte{byte(i)})
 		require.NoError(t, err)
 		require.Equal(t, before, client.Stats().WakeupsSent, "message %d woke the server", i)
@@ -82,10 +82,10 @@ func TestLeaseYieldsToBlockedReader(t *testing.T) {
 	// A polls again; B, finding a poller, sleeps.
 	bufA, bufB := make([]byte, 1), make([]byte, 1)
 	doneA := readAsync(sa, bufA)
-	waitFor(t, "A polls", server.polling.Load)
+	waitFor(t, "A polls", server.rx.spinning.Load)
 	require.NoError(t, sb.SetReadDeadline(time.Now().Add(10*time.Second)))
 	doneB := readAsync(sb, bufB)
-	waitFor(t, "B sleeps", func() bool { return server.waiters.Load() == 1 })
+	waitFor(t, "B sleeps", func() bool { return server.rx.waiters.Load() == 1 })
 
 	_, err := ca.Write([]byte{'A'})
 	require.NoError(t, err)
@@ -108,14 +108,14 @@ func TestLeaseExpires(t *testing.T) {
 	c, s := streamPair(t, client, server)
 	// On a loaded machine the reader may stop polling before the byte
 	// comes; retry until a poll ends with the lease.
-	for i := 0; server.leaseSeq.Load() == 0; i++ {
+	for i := 0; server.rx.leaseSeq.Load() == 0; i++ {
 		require.Less(t, i, 100, "no poll ended with a lease")
 		leaseOnce(t, server, c, s)
 	}
 	_, err := c.Write([]byte("late"))
 	require.NoError(t, err)
 	waitFor(t, "the flag is settled", func() bool {
-		return !server.mem.recv.Working() && !server.leaseArmed.Load()
+		return !server.shm.mem.recv.Working() && !server.rx.leaseArmed.Load()
 	})
 	waitFor(t, "the late bytes are delivered", func() bool { return s.Buffered() == 4 })
 	buf := make([]byte, 4)
@@ -131,7 +131,7 @@ func TestAnnounceWakesLeasedServer(t *testing.T) {
 	client, server := pair(t, cfg)
 	c, s := streamPair(t, client, server)
 	leaseOnce(t, server, c, s)
-	require.True(t, server.mem.recv.Working(), "the flag is leased")
+	require.True(t, server.shm.mem.recv.Working(), "the flag is leased")
 
 	before := client.Stats().WakeupsSent
 	st, err := client.OpenStream(t.Context())

@@ -162,7 +162,7 @@ func TestStreamIDReuse(t *testing.T) {
 	eventually(t, func() bool {
 		client.mu.Lock()
 		defer client.mu.Unlock()
-		return len(client.freeIDs) == 1
+		return len(client.tab.freeIDs) == 1
 	}, "the client sees the server's close")
 
 	// Now it is reused, by a stream the server accepts as new.

@@ -47,10 +47,9 @@ func (s *Session) Stats() Stats {
 		Spilled:         s.ctr.spilled.Load(),
 		ActiveStreams:   s.NumStreams(),
 	}
-	s.memMu.RLock()
-	if s.mem != nil {
-		st.SlicesInUse = s.mem.region.InUse()
-	}
-	s.memMu.RUnlock()
+	s.withMem(func(m *memory) error {
+		st.SlicesInUse = m.region.InUse()
+		return nil
+	})
 	return st
 }

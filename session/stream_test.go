@@ -173,9 +173,9 @@ func sum(xs []int) int {
 
 // inMapping reports whether b lies inside s's buffer mapping.
 func inMapping(s *Session, b []byte) bool {
-	s.memMu.RLock()
-	defer s.memMu.RUnlock()
-	m := s.mem.bufMem
+	s.shm.mu.RLock()
+	defer s.shm.mu.RUnlock()
+	m := s.shm.mem.bufMem
 	lo, hi := uintptr(unsafe.Pointer(&m[0])), uintptr(unsafe.Pointer(&m[len(m)-1]))
 	p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
 	return len(b) > 0 && p >= lo && p+uintptr(len(b))-1 <= hi

@@ -1,0 +1,1017 @@
+package session
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/queue"
+)
+
+// The receive direction, top to bottom: the receive loop reads control
+// messages; a Polling makes it harvest the receive queue, dispatching each
+// event to its stream (pushChain); a stream's reader consumes what was
+// pushed. A reader with nothing to read spins on the queue itself for a
+// while (Stream.spin) before it sleeps, and may lease the working flag
+// when it returns (docs/protocol.md section 9).
+
+// receiver is a session's receive side.
+type receiver struct {
+	// mu is held by whoever harvests the receive queue and dispatches what
+	// it popped: the receive loop after a Polling, a spinning reader, or a
+	// goroutine settling the working flag. The queue has one consumer at a
+	// time, and events reach their streams in queue order.
+	mu sync.Mutex
+	// spinning is set while a reader spins on the receive queue holding
+	// its working flag at 1 (at most one reader per session does).
+	spinning atomic.Bool
+	// The working-flag lease: waiters counts the goroutines blocked for
+	// the session's events; leaseSeq counts the spins that ended with a
+	// lease, tickSeq is its value at the last leaseTick, and leaseArmed is
+	// set while leaseTimer runs.
+	waiters    atomic.Int32
+	leaseSeq   atomic.Uint64
+	tickSeq    atomic.Uint64
+	leaseArmed atomic.Bool
+	leaseTimer *time.Timer
+	done       chan struct{} // closed when recvLoop has returned
+}
+
+func (rx *receiver) init(s *Session) {
+	rx.done = make(chan struct{})
+	rx.leaseTimer = time.AfterFunc(time.Hour, s.leaseTick)
+	rx.leaseTimer.Stop()
+}
+
+// Stream states carried in the low byte of an event's or a FallbackData's
+// status (docs/protocol.md section 4).
+const (
+	stateOpen   = 0
+	stateClosed = 1
+)
+
+// recvLoop reads control messages until the connection ends.
+func (s *Session) recvLoop() {
+	defer func() {
+		close(s.rx.done)
+		s.unmapIfUnused()
+	}()
+	r := bufio.NewReaderSize(s.conn, 64<<10)
+	var hdr [HeaderSize]byte
+	var small [16]byte
+	for {
+		if _, err := io.ReadFull(r, hdr[:]); err != nil {
+			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+				// The peer may have put events (data, closes) and closed
+				// the connection before its Polling went out (the Rust
+				// crate's SessionManager::close does): deliver them.
+				if herr := s.harvest(); herr != nil && !errors.Is(herr, ErrSessionClosed) {
+					s.failOp("read", herr)
+					return
+				}
+				err = ErrPeerClosed
+			}
+			s.failOp("read", err)
+			return
+		}
+		h, err := ParseHeader(hdr[:], uint32(s.cfg.MaxMessageSize))
+		if err != nil {
+			s.failOp("read", err)
+			return
+		}
+		n := int(h.Length) - HeaderSize
+		var payload []byte
+		switch {
+		case h.Type == TypeFallbackData:
+			// The data part becomes the stream's; read it into its own buffer.
+			payload = make([]byte, n)
+		case n <= len(small):
+			payload = small[:n]
+		default:
+			s.failOp("read", fmt.Errorf("%w: %v of %d bytes", ErrProtocol, h.Type, h.Length))
+			return
+		}
+		if _, err := io.ReadFull(r, payload); err != nil {
+			s.failOp("read", err)
+			return
+		}
+		s.forgetNames()
+		if err := s.handle(h, payload); err != nil {
+			s.failOp("read "+h.Type.String(), err)
+			return
+		}
+	}
+}
+
+// handle acts on one control message after the handshake.
+func (s *Session) handle(h Header, payload []byte) error {
+	switch h.Type {
+	case TypePolling:
+		// Counted once handled, so that a count equal to the peer's
+		// WakeupsSent means no wakeup is still on its way to a harvest.
+		err := s.harvest()
+		s.ctr.wakeupsReceived.Add(1)
+		return err
+	case TypeStreamClose:
+		id, err := ParseStreamClose(payload)
+		if err != nil {
+			return err
+		}
+		return s.dispatch(queue.Event{StreamID: id, Status: stateClosed}, nil)
+	case TypeFallbackData:
+		id, status, data, err := ParseFallback(payload)
+		if err != nil {
+			return err
+		}
+		s.ctr.fallbackRead.Add(1)
+		s.ctr.bytesReceived.Add(uint64(len(data)))
+		return s.dispatch(queue.Event{StreamID: id, Status: status}, data)
+	case TypeHotRestart:
+		return s.handleHotRestart(payload)
+	case TypeHotRestartAck:
+		return s.handleHotRestartAck(payload)
+	}
+	return fmt.Errorf("%w: %v after the handshake", ErrProtocol, h.Type)
+}
+
+// harvest pops every event of the receive queue and dispatches it, then
+// settles the working flag (see harvestLocked).
+func (s *Session) harvest() error {
+	s.rx.mu.Lock()
+	defer s.rx.mu.Unlock()
+	return s.withMem(func(m *memory) error { return s.harvestLocked(m, true) })
+}
+
+// harvestLocked pops every event of the receive queue and dispatches it.
+// With settle set it then clears the working flag and checks the queue
+// again, harvesting anew if an event came meanwhile, so that no event is
+// stranded without a wakeup (docs/protocol.md section 3.3); but while a
+// reader spins on the queue the flag stays at 1, and that reader settles
+// it when it stops. The caller holds rx.mu and shm.mu's read lock.
+func (s *Session) harvestLocked(m *memory, settle bool) error {
+	for {
+		for {
+			ev, ok, err := m.recv.Pop()
+			if err != nil {
+				return err
+			}
+			if !ok {
+				break
+			}
+			s.ctr.eventsReceived.Add(1)
+			s.forgetNames()
+			if err := s.dispatchLocked(m, ev, nil); err != nil {
+				return err
+			}
+		}
+		if !settle || s.rx.spinning.Load() {
+			return nil
+		}
+		m.recv.ClearWorking()
+		if m.recv.Empty() {
+			return nil
+		}
+		m.recv.SetWorking()
+	}
+}
+
+// dispatch delivers a StreamClose or a FallbackData (data non-nil) to its
+// stream, after the events put before it were sent: it harvests first.
+func (s *Session) dispatch(ev queue.Event, data []byte) error {
+	if err := s.harvest(); err != nil {
+		return err
+	}
+	s.rx.mu.Lock()
+	defer s.rx.mu.Unlock()
+	return s.withMem(func(m *memory) error { return s.dispatchLocked(m, ev, data) })
+}
+
+// dispatchLocked delivers one event, or a FallbackData's data, to its
+// stream; an open event for an unknown id opens a stream on a server. The
+// caller holds rx.mu and shm.mu's read lock.
+func (s *Session) dispatchLocked(m *memory, ev queue.Event, data []byte) error {
+	state := ev.Status & 0xff
+	if state > stateClosed {
+		return fmt.Errorf("%w: stream %d: status %#x", ErrProtocol, ev.StreamID, ev.Status)
+	}
+	st, err := s.route(m, ev)
+	if st == nil || err != nil {
+		return err
+	}
+	if ev.Offset != 0 {
+		err = st.pushChain(m.region, ev.Offset)
+	} else if len(data) > 0 {
+		st.pushBytes(data)
+	}
+	if state == stateClosed && err == nil {
+		st.remoteClose()
+	}
+	return err
+}
+
+// route returns the stream ev goes to, opening one on a server. It returns
+// nil when ev was dealt with here: its slices recycled for an unknown id,
+// or the stream refused because the accept backlog is full. The caller
+// holds rx.mu and shm.mu's read lock.
+func (s *Session) route(m *memory, ev queue.Event) (*Stream, error) {
+	closing := ev.Status&0xff == stateClosed
+	s.mu.Lock()
+	if st := s.tab.routed[ev.StreamID]; st != nil {
+		s.mu.Unlock()
+		return st, nil
+	}
+	if s.isClient || closing || ev.StreamID == 0 || s.err != nil {
+		if _, ok := s.tab.awaiting[ev.StreamID]; ok && closing {
+			// The peer answered the close of a stream we forgot.
+			delete(s.tab.awaiting, ev.StreamID)
+			if s.err == nil {
+				s.tab.freeIDs = append(s.tab.freeIDs, ev.StreamID)
+			}
+		}
+		s.mu.Unlock()
+		return nil, freeChain(m, ev.Offset) // data for a stream we do not know
+	}
+	st := newStream(s, ev.StreamID)
+	if len(s.tab.accepts) < s.cfg.AcceptBacklog {
+		s.addLocked(st)
+		s.tab.accepts = append(s.tab.accepts, st)
+		s.mu.Unlock()
+		select {
+		case s.tab.acceptCh <- struct{}{}:
+		default:
+		}
+		return st, nil
+	}
+	// Refused: the stream is closed at once but stays routed until the
+	// client's close, so that the client's events still in flight are
+	// recycled instead of opening it again.
+	s.tab.routed[st.id] = st
+	s.mu.Unlock()
+	s.cfg.Logger.Warn("shmlink: accept backlog full, refusing stream", "stream", ev.StreamID)
+	st.mu.Lock()
+	st.transition(evRefuse, false)
+	st.mu.Unlock()
+	onSocket := s.sendCloseLocked(m, st.id, false)
+	st.mu.Lock()
+	act, _ := st.transition(evCloseSent, onSocket)
+	st.mu.Unlock()
+	st.apply(act, true) // the caller holds shm.mu
+	if err := freeChain(m, ev.Offset); err != nil {
+		return nil, err
+	}
+	if closing {
+		st.remoteClose()
+	}
+	return nil, nil
+}
+
+// freeChain recycles the chain at off, if any.
+func freeChain(m *memory, off uint32) error {
+	if off == 0 {
+		return nil
+	}
+	_, err := m.region.FreeChain(off)
+	return err
+}
+
+// ---- a stream's receive buffer ----
+
+// recvBuf is a stream's receive buffer, guarded by Stream.mu.
+type recvBuf struct {
+	recv     []chunk // FIFO from rhead
+	rhead    int
+	buffered int      // unread bytes in recv
+	shm      int      // capacity of the slices that recv's unread bytes occupy
+	held     []uint32 // consumed slices with a zero-copy view out
+}
+
+// chunk is one received message waiting to be read: the unread part of a
+// slice chain in shared memory (off != 0), or bytes that came as
+// FallbackData or were copied out of shared memory (off == 0).
+type chunk struct {
+	off     uint32 // current slice, absolute offset; 0 for bytes on the heap
+	data    []byte // unread bytes of the current slice, or the heap bytes
+	next    uint32 // next slice of the chain, if hasNext
+	hasNext bool
+	pinned  bool // a zero-copy view into the current slice was handed out
+	remain  int  // unread bytes of the whole message, data included
+	links   int  // slices of the chain visited so far (cycle guard)
+	charge  int  // capacity of the chain's slices, counted in recvBuf.shm
+}
+
+// readRest copies into p the bytes of c's message that follow its current
+// slice; p must not be longer than they are. An error means the chain
+// changed since pushChain checked it.
+func (c *chunk) readRest(region *buffer.Region, p []byte) error {
+	if len(p) == 0 {
+		return nil
+	}
+	if !c.hasNext {
+		return buffer.ErrCorrupt
+	}
+	var cr buffer.ChainReader
+	if err := cr.Reset(region, c.next); err != nil {
+		return err
+	}
+	_, err := io.ReadFull(&cr, p)
+	return err
+}
+
+// pushChain queues the message whose slice chain starts at off. The chain is
+// walked and checked first: a bad offset, a cycle or a size beyond a
+// slice's cap ends the session instead of reaching the reader. The caller
+// holds shm.mu's read lock.
+func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
+	s := st.s
+	var cr buffer.ChainReader
+	if err := cr.Reset(region, off); err != nil {
+		return err
+	}
+	total, charge := 0, 0
+	for {
+		p, soff, err := cr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return err
+		}
+		total += len(p)
+		charge += region.SliceSize(soff)
+	}
+	st.mu.Lock()
+	if st.state.has(stClosed) || total == 0 {
+		// Nothing to read: a closed stream drops its data, and an empty
+		// message (the announcement of a new stream) carries none.
+		st.mu.Unlock()
+		_, err := region.FreeChain(off)
+		return err
+	}
+	s.ctr.bytesReceived.Add(uint64(total))
+	if st.mustCopyOut(region, charge, total) {
+		// Over the stream's share of shared memory, or over the share of
+		// all our unread data, while the region runs short and the reader
+		// has stalled: copy the message out and free its slices now, so
+		// that a stalled reader holds heap, not slices that the other
+		// streams, or writers on either side, need.
+		data := make([]byte, total)
+		cr.Reset(region, off) // cannot fail: it did above
+		io.ReadFull(&cr, data)
+		st.recv = append(st.recv, chunk{data: data, remain: total})
+		st.buffered += total
+		st.mu.Unlock()
+		s.ctr.spilled.Add(uint64(total))
+		st.notifyRead()
+		_, err := region.FreeChain(off)
+		return err
+	}
+	p, next, hasNext, err := region.Payload(off)
+	if err != nil {
+		st.mu.Unlock()
+		return err
+	}
+	c := chunk{off: off, data: p[:min(len(p), total)], next: next, hasNext: hasNext, remain: total, links: 1, charge: charge}
+	st.recv = append(st.recv, c)
+	st.buffered += total
+	st.shm += charge
+	s.shm.unread.Add(int64(charge))
+	var aerr error
+	if len(c.data) == 0 {
+		// The first slice is empty: move to the first one with bytes.
+		aerr = st.advanceLocked(region, &st.recv[len(st.recv)-1])
+	}
+	st.mu.Unlock()
+	st.notifyRead()
+	return aerr
+}
+
+// mustCopyOut reports whether a message of total bytes in slices of charge
+// bytes of capacity goes to the heap rather than staying in shared memory
+// (docs/protocol.md section 9): it would take the stream, or all streams,
+// over their share of the region, while the region runs short and the
+// reader has stalled, and the heap limit allows it. A reader that keeps
+// reading only slows its writer down (backpressure): copying its data out
+// would slow it down further. The caller holds st.mu.
+func (st *Stream) mustCopyOut(region *buffer.Region, charge, total int) bool {
+	m := &st.s.shm
+	overShm := st.shm+charge > m.streamLimit || m.unread.Load()+int64(charge) > int64(m.sessionLimit)
+	return overShm && st.buffered-st.shm+total <= m.heapLimit && region.FreeBytes() < m.pressureBytes && st.stalled()
+}
+
+// pushBytes queues data that came as FallbackData; the stream owns data.
+func (st *Stream) pushBytes(data []byte) {
+	st.mu.Lock()
+	if st.state.has(stClosed) {
+		st.mu.Unlock()
+		return
+	}
+	st.recv = append(st.recv, chunk{data: data, remain: len(data)})
+	st.buffered += len(data)
+	st.mu.Unlock()
+	st.notifyRead()
+}
+
+// remoteClose records the peer's close: reads end with io.EOF once the data
+// already queued is read. If our close was started too, the stream is
+// unrouted now: the peer may reuse its id as soon as it sees our close.
+// Only the receive loop, or a reader harvesting for it, calls it.
+func (st *Stream) remoteClose() {
+	st.mu.Lock()
+	act, ok := st.transition(evRemoteClose, false)
+	st.mu.Unlock()
+	if ok {
+		st.notifyRead()
+		st.apply(act, true) // the caller holds shm.mu
+	}
+}
+
+// dropUnread drops every unread message of a closed stream, recycling its
+// slices, and those behind zero-copy results.
+func (st *Stream) dropUnread() {
+	s := st.s
+	s.shm.mu.RLock()
+	defer s.shm.mu.RUnlock()
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if m := s.shm.mem; m != nil {
+		for i := st.rhead; i < len(st.recv); i++ {
+			// Errors mean the peer corrupted its own chains; there is
+			// nothing left to read from them, so they are ignored here.
+			if c := st.recv[i]; c.off != 0 {
+				if c.pinned {
+					st.held = append(st.held, c.off)
+				} else {
+					m.region.Free(c.off)
+				}
+				if c.hasNext {
+					m.region.FreeChain(c.next)
+				}
+			}
+		}
+		st.releaseHeldLocked(m.region)
+	}
+	s.shm.unread.Add(-int64(st.shm))
+	st.recvBuf = recvBuf{}
+}
+
+// ---- read calls ----
+
+// startRead and endRead bracket every read call: they serialize readers
+// and record when the call ended (see stalled).
+func (st *Stream) startRead() {
+	st.rmu.Lock()
+	st.inRead.Store(true)
+}
+
+// endRead records the end of a read call and lets the next one in.
+// Reading the clock would cost a busy reader more than a small read
+// itself, so the time is recorded only after a read that waited, and
+// after every stampEvery-th read: one that finds its data buffered each
+// time stamps at least every stampEvery reads.
+func (st *Stream) endRead() {
+	st.reads++
+	if st.waited || st.reads%stampEvery == 0 {
+		st.lastRead.Store(time.Now().UnixNano())
+		st.waited = false
+	}
+	st.inRead.Store(false)
+	st.rmu.Unlock()
+}
+
+// stampEvery is how many read calls may end between two stamps of
+// lastRead.
+const stampEvery = 8
+
+// stallTime is how long a stream's reader must have been out of every
+// read call before its data may be copied out of shared memory (see
+// mustCopyOut).
+const stallTime = time.Millisecond
+
+// stalled reports whether the stream's reader has stayed out of every read
+// call for stallTime: it does not read, for now, what it has.
+func (st *Stream) stalled() bool {
+	return !st.inRead.Load() && time.Now().UnixNano()-st.lastRead.Load() > int64(stallTime)
+}
+
+// whenReadable waits until want bytes are buffered, or fewer but some once
+// the stream has ended, then runs f with shm.mu read-locked and st.mu held.
+// An error from f means the peer corrupted shared memory: it ends the
+// session, and whenReadable returns the session's error. Without bytes it
+// returns io.EOF once the peer closed, ErrStreamClosed after Close, a
+// deadline error, or the session's error. The caller holds rmu.
+func (st *Stream) whenReadable(want int, f func(region *buffer.Region) error) error {
+	s := st.s
+	for {
+		s.shm.mu.RLock()
+		st.mu.Lock()
+		m, state, buffered := s.shm.mem, st.state, st.buffered
+		ended := state.has(stRemoteClosed) || m == nil || isClosedChan(s.dead)
+		if !state.has(stClosed) && m != nil && (buffered >= want || (ended && buffered > 0)) {
+			err := f(m.region)
+			st.mu.Unlock()
+			s.shm.mu.RUnlock()
+			if err != nil {
+				return s.failOp("read", err)
+			}
+			return nil
+		}
+		st.mu.Unlock()
+		s.shm.mu.RUnlock()
+		switch {
+		case state.has(stClosed):
+			return ErrStreamClosed
+		case state.has(stRemoteClosed) && buffered == 0:
+			return io.EOF
+		case ended:
+			return s.Err()
+		}
+		if err := st.waitForData(want); err != nil {
+			return err
+		}
+	}
+}
+
+// waitForData waits until something may have changed for a reader waiting
+// for want bytes: it spins on the receive queue first, then sleeps until
+// the receive loop delivers. It returns a deadline error once the read
+// deadline has passed. The caller holds rmu.
+func (st *Stream) waitForData(want int) error {
+	s := st.s
+	select {
+	case <-st.rdl.wait():
+		return errDeadline
+	default:
+	}
+	st.waited = true
+	if st.spin(want) {
+		return nil
+	}
+	// About to sleep until the receive loop delivers: end any lease of the
+	// working flag, so that the peer wakes us.
+	s.rx.waiters.Add(1)
+	s.settle()
+	select {
+	case <-st.readCh:
+	case <-s.dead:
+	case <-st.closedCh:
+	case <-st.rdl.wait():
+	}
+	s.rx.waiters.Add(-1)
+	return nil
+}
+
+// Read reads up to len(p) bytes; see net.Conn. After the peer's Close it
+// returns the data still queued, then io.EOF. It returns ErrStreamClosed
+// after Close, a deadline error (Timeout() true) after the read deadline,
+// and the session's error if the session ended first.
+func (st *Stream) Read(p []byte) (n int, err error) {
+	st.startRead()
+	defer st.endRead()
+	if len(p) == 0 {
+		return 0, nil
+	}
+	err = st.whenReadable(1, func(region *buffer.Region) (err error) {
+		n, err = st.consumeLocked(region, p, len(p))
+		return err
+	})
+	if n > 0 {
+		// Bytes counted before a corrupt chain are valid; the next call
+		// returns the session's error.
+		return n, nil
+	}
+	return 0, err
+}
+
+// Peek returns the next n bytes without consuming them, waiting until they
+// have arrived. When they lie in one slice of shared memory the returned
+// slice points into it (zero copy) and stays valid until the bytes are
+// consumed and then released by ReleasePreviousRead, or until Close;
+// otherwise it is a fresh copy owned by the caller. It returns io.EOF if
+// the peer closed with no bytes left, io.ErrUnexpectedEOF if it closed with
+// fewer than n, and the errors of Read otherwise. n must be positive.
+func (st *Stream) Peek(n int) ([]byte, error) {
+	st.startRead()
+	defer st.endRead()
+	return st.peek(n)
+}
+
+func (st *Stream) peek(n int) (b []byte, err error) {
+	if n <= 0 {
+		return nil, errors.New("shmlink: Peek of a non-positive length")
+	}
+	short := false
+	err = st.whenReadable(n, func(region *buffer.Region) error {
+		if short = st.buffered < n; short {
+			return nil
+		}
+		c := &st.recv[st.rhead]
+		if len(c.data) >= n {
+			if c.off != 0 {
+				c.pinned = true
+			}
+			b = c.data[:n:n]
+			return nil
+		}
+		b = make([]byte, n)
+		k := 0
+		for i := st.rhead; k < n; i++ {
+			c := &st.recv[i]
+			k += copy(b[k:], c.data)
+			more := min(n-k, c.remain-len(c.data))
+			if err := c.readRest(region, b[k:k+more]); err != nil {
+				b = nil
+				return err
+			}
+			k += more
+		}
+		return nil
+	})
+	if short {
+		return nil, io.ErrUnexpectedEOF
+	}
+	return b, err
+}
+
+// ReadBytes consumes and returns the next n bytes, waiting until they have
+// arrived. Like Peek, the result points into shared memory when the bytes
+// lie in one slice; those slices are recycled only by ReleasePreviousRead
+// (or Close), so the result stays valid until then. Errors are Peek's.
+func (st *Stream) ReadBytes(n int) ([]byte, error) {
+	st.startRead()
+	defer st.endRead()
+	b, err := st.peek(n)
+	if err != nil {
+		return nil, err
+	}
+	_, err = st.discard(n)
+	return b, err
+}
+
+// ReadChunk consumes and returns the next bytes that lie contiguously in
+// one slice of shared memory (or in one FallbackData message): at least 1
+// and at most max, waiting until some have arrived. It never copies: the
+// result points into shared memory (or the received message) and stays
+// valid until ReleasePreviousRead or Close, which recycle the slices behind
+// every result returned since the last release. It returns io.EOF once the
+// peer closed and every byte was read, and the errors of Read otherwise;
+// max must be positive.
+func (st *Stream) ReadChunk(max int) (b []byte, err error) {
+	st.startRead()
+	defer st.endRead()
+	if max <= 0 {
+		return nil, errors.New("shmlink: ReadChunk of a non-positive length")
+	}
+	err = st.whenReadable(1, func(region *buffer.Region) error {
+		c := &st.recv[st.rhead]
+		k := min(max, len(c.data))
+		b = c.data[:k:k]
+		if c.off != 0 {
+			c.pinned = true
+		}
+		_, err := st.consumeLocked(region, nil, k)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// Discard skips the next n bytes, waiting until they have arrived, and
+// returns how many it skipped: fewer than n only with an error (io.EOF if
+// the peer closed first, or Read's errors).
+func (st *Stream) Discard(n int) (int, error) {
+	st.startRead()
+	defer st.endRead()
+	return st.discard(n)
+}
+
+func (st *Stream) discard(n int) (done int, err error) {
+	for done < n && err == nil {
+		err = st.whenReadable(1, func(region *buffer.Region) error {
+			k, err := st.consumeLocked(region, nil, n-done)
+			done += k
+			return err
+		})
+	}
+	return done, err
+}
+
+// ReleasePreviousRead recycles the slices behind zero-copy results of Peek,
+// ReadBytes and ReadChunk whose bytes have been consumed. Those results
+// must not be used afterwards.
+func (st *Stream) ReleasePreviousRead() {
+	s := st.s
+	s.shm.mu.RLock()
+	defer s.shm.mu.RUnlock()
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if s.shm.mem == nil {
+		st.held = st.held[:0]
+		return
+	}
+	st.releaseHeldLocked(s.shm.mem.region)
+}
+
+// releaseHeldLocked recycles the slices behind zero-copy results. The
+// caller holds shm.mu's read lock and st.mu.
+func (st *Stream) releaseHeldLocked(region *buffer.Region) {
+	for _, off := range st.held {
+		if err := region.Free(off); err != nil {
+			go st.s.failOp("release", err)
+			break
+		}
+	}
+	st.held = st.held[:0]
+}
+
+// Buffered returns the number of bytes that can be read without waiting.
+func (st *Stream) Buffered() int {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.buffered
+}
+
+// consumeLocked moves up to n buffered bytes into p (or drops them when p
+// is nil), recycling or holding the slices it finishes. An error means the
+// peer corrupted a chain; the bytes counted until then are valid. The
+// caller holds shm.mu's read lock and st.mu.
+func (st *Stream) consumeLocked(region *buffer.Region, p []byte, n int) (int, error) {
+	done := 0
+	for done < n && st.rhead < len(st.recv) {
+		c := &st.recv[st.rhead]
+		k := min(n-done, len(c.data))
+		if p != nil {
+			copy(p[done:], c.data[:k])
+		}
+		c.data = c.data[k:]
+		c.remain -= k
+		st.buffered -= k
+		done += k
+		if len(c.data) == 0 {
+			if err := st.advanceLocked(region, c); err != nil {
+				return done, err
+			}
+		}
+	}
+	return done, nil
+}
+
+// advanceLocked finishes the current slice of c and moves to the next slice
+// with bytes, or pops c at the end of its chain. The caller holds shm.mu's
+// read lock and st.mu.
+func (st *Stream) advanceLocked(region *buffer.Region, c *chunk) error {
+	for len(c.data) == 0 {
+		if c.off != 0 {
+			if c.pinned {
+				st.held = append(st.held, c.off)
+			} else if err := region.Free(c.off); err != nil {
+				st.dropHeadLocked()
+				return err
+			}
+		}
+		if !c.hasNext || c.remain <= 0 {
+			var err error
+			if c.hasNext || c.remain != 0 {
+				err = buffer.ErrCorrupt // the chain changed since pushChain walked it
+			}
+			st.dropHeadLocked()
+			return err
+		}
+		if c.links >= st.s.shm.maxLinks {
+			st.dropHeadLocked()
+			return buffer.ErrCorrupt
+		}
+		p, next, hasNext, err := region.Payload(c.next)
+		if err != nil {
+			st.dropHeadLocked()
+			return err
+		}
+		*c = chunk{off: c.next, data: p[:min(len(p), c.remain)], next: next, hasNext: hasNext,
+			remain: c.remain, links: c.links + 1, charge: c.charge}
+	}
+	return nil
+}
+
+// dropHeadLocked pops the first chunk, forgetting what it had left. The
+// caller holds st.mu.
+func (st *Stream) dropHeadLocked() {
+	c := &st.recv[st.rhead]
+	st.buffered -= c.remain
+	st.shm -= c.charge
+	st.s.shm.unread.Add(-int64(c.charge))
+	*c = chunk{}
+	st.rhead++
+	if st.rhead == len(st.recv) {
+		st.recv = st.recv[:0]
+		st.rhead = 0
+	}
+}
+
+// ---- spinning and the working-flag lease ----
+
+// spinBatch is how many times Stream.spin checks the queue between its
+// checks of the clock, deadlines and the session's end.
+const spinBatch = 64
+
+// spin waits for want bytes (or the stream's end) by spinning on the
+// receive queue itself, dispatching what it pops to every stream, for as
+// long as events keep coming and then Config.PollTime more. Meanwhile it
+// holds the queue's working flag at 1, so the peer sends no Polling
+// (docs/protocol.md section 3.3): while traffic flows a message costs no
+// system call and no goroutine switch on either side. One reader per
+// session spins; spin returns false at once in the others, and when its
+// time runs out; true when st may be readable, ended, closed or past its
+// read deadline.
+func (st *Stream) spin(want int) bool {
+	s := st.s
+	if s.cfg.PollTime <= 0 || !s.rx.spinning.CompareAndSwap(false, true) {
+		return false
+	}
+	// Got what it waited for, the reader leases the working flag to its
+	// next spin; otherwise it settles the flag.
+	ready := false
+	defer func() { s.endSpin(ready) }()
+	idleSince := time.Now()
+	for {
+		harvested, err := st.spinBatch(want)
+		if err != nil {
+			s.failOp("read", err)
+			return true
+		}
+		if ready = st.readyFor(want); ready {
+			return true
+		}
+		select {
+		case <-s.dead:
+			return true
+		case <-st.closedCh:
+			return true
+		case <-st.rdl.wait():
+			return true
+		default:
+		}
+		if now := time.Now(); harvested {
+			idleSince = now
+		} else if now.Sub(idleSince) > s.cfg.PollTime {
+			return false
+		}
+		// Let the process's other goroutines run; the peer runs on its own.
+		runtime.Gosched()
+	}
+}
+
+// spinBatch checks the receive queue spinBatch times, harvesting what
+// comes (st is checked after each harvest; in between the loop only reads
+// the queue's tail, so that a reader waiting for its peer does not slow the
+// peer down). It reports whether it harvested anything; an error means the
+// queue or a chain is corrupt.
+func (st *Stream) spinBatch(want int) (harvested bool, err error) {
+	s := st.s
+	s.withMem(func(m *memory) error { // unmapped: the caller sees the session's end
+		m.recv.SetWorking()
+		for range spinBatch {
+			if m.recv.Empty() || !s.rx.mu.TryLock() {
+				continue
+			}
+			err = s.harvestLocked(m, false)
+			s.rx.mu.Unlock()
+			harvested = true
+			if err != nil || st.readyFor(want) {
+				break
+			}
+		}
+		return nil
+	})
+	return harvested, err
+}
+
+// readyFor reports whether a reader waiting for want bytes can go on.
+func (st *Stream) readyFor(want int) bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.buffered >= want || st.state&(stRemoteClosed|stClosed) != 0
+}
+
+// The working-flag lease (docs/protocol.md section 9).
+//
+// A reader that spins on the receive queue holds the queue's working flag
+// at 1, so the peer puts events without sending a Polling. When the reader
+// has its data and returns to the application, clearing the flag at once
+// would make the peer's next event cost a wakeup (a system call in each
+// process and a goroutine switch here), although a reader that loops
+// (io.Copy, a bufio.Reader, a request handler) is back within
+// microseconds. So the flag stays at 1, leased, and events that come
+// meanwhile wait in the queue for the next spin. The lease ends, and the
+// flag is settled (cleared, then the queue harvested: see harvestLocked),
+// when
+//   - a goroutine is about to block for the session's events (a reader in
+//     waitForData): it settles before it sleeps, and a spinner that stops
+//     while one is blocked settles instead of leasing;
+//   - no spin has run for one to two Config.PollTime periods (leaseTick;
+//     Go's timers round a sleeping process's wait up to about 1 ms).
+// A new stream's announcement wakes the peer whatever the flag says (see
+// announce), so a lease never delays AcceptStream.
+
+// endSpin ends the spin of the reader holding rx.spinning. With lease set
+// (the reader got what it waited for) and no goroutine blocked for the
+// session's events, the working flag stays at 1 and the lease timer is
+// armed; otherwise the flag is settled now.
+func (s *Session) endSpin(lease bool) {
+	s.rx.spinning.Store(false)
+	if lease {
+		s.rx.leaseSeq.Add(1)
+		// A goroutine that starts to wait after this load settles by
+		// itself (waitForData): the atomics order its count before its
+		// settle, and our store of spinning before this load.
+		if s.rx.waiters.Load() == 0 {
+			if !s.rx.leaseArmed.Swap(true) {
+				s.rx.leaseTimer.Reset(s.cfg.PollTime)
+			}
+			return
+		}
+	}
+	s.settle()
+}
+
+// settle clears the receive queue's working flag, unless a reader is
+// spinning, and harvests what came meanwhile. A corrupt queue ends the
+// session.
+func (s *Session) settle() {
+	if err := s.harvest(); err != nil && !errors.Is(err, ErrSessionClosed) {
+		s.failOp("read", err)
+	}
+}
+
+// leaseTick runs on the lease timer: while spins keep ending with a lease
+// (leaseSeq moved since the last tick) or one is running, it waits another
+// PollTime; otherwise the lease has expired and the flag is settled.
+func (s *Session) leaseTick() {
+	if isClosedChan(s.dead) {
+		return
+	}
+	seq := s.rx.leaseSeq.Load()
+	if s.rx.tickSeq.Swap(seq) != seq || s.rx.spinning.Load() {
+		s.rx.leaseTimer.Reset(s.cfg.PollTime)
+		return
+	}
+	s.rx.leaseArmed.Store(false)
+	s.settle()
+}
+
+// ---- copying stalled readers' data out of shared memory ----
+
+// spillStalled copies out of shared memory the unread data of every
+// stream whose reader has stalled (see mustCopyOut), while the region runs
+// short, so that a writer of ours waiting for space is not waiting for
+// its own session's readers.
+func (s *Session) spillStalled() {
+	s.withMem(func(m *memory) error {
+		if m.region.FreeBytes() >= s.shm.pressureBytes {
+			return nil
+		}
+		for _, st := range s.liveStreams() {
+			if st.stalled() {
+				st.spill(m.region)
+			}
+		}
+		return nil
+	})
+}
+
+// spill replaces every unread message of st held in shared memory by a
+// copy on the heap, within Config.StreamHeapLimit, and frees its slices.
+// Messages with a zero-copy view out stay. The caller holds shm.mu's read
+// lock.
+func (st *Stream) spill(region *buffer.Region) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	for i := st.rhead; i < len(st.recv); i++ {
+		c := &st.recv[i]
+		if c.off == 0 || c.pinned {
+			continue
+		}
+		if st.buffered-st.shm+c.remain > st.s.shm.heapLimit {
+			return
+		}
+		data := make([]byte, c.remain)
+		k := copy(data, c.data)
+		if c.readRest(region, data[k:]) != nil {
+			continue // a corrupt chain: the reader will find it
+		}
+		region.Free(c.off)
+		if c.hasNext {
+			region.FreeChain(c.next)
+		}
+		st.shm -= c.charge
+		st.s.shm.unread.Add(-int64(c.charge))
+		st.s.ctr.spilled.Add(uint64(len(data)))
+		*c = chunk{data: data, remain: len(data)}
+	}
+}

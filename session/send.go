@@ -1,0 +1,475 @@
+package session
+
+import (
+	"context"
+	"errors"
+	"net"
+	"runtime"
+	"sync"
+	"time"
+
+	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/queue"
+)
+
+// The send direction, top to bottom: Write copies bytes into a chain of
+// slices (buffer.ChainWriter) and publishes it as an event on the send
+// queue (putEvent), which wakes the peer with a Polling when its working
+// flag was clear. When the region has no slice left, a writer waits for
+// the peer to free some (withSpace), or, with Config.Fallback, sends the
+// bytes over the control connection as FallbackData.
+
+// maxEventBytes bounds the bytes one event (one slice chain) carries: a
+// large write goes out as a train of events, so that the reader copies
+// the first out while the writer still copies the rest in, and one write
+// cannot take the whole buffer region.
+const maxEventBytes = 64 << 10
+
+// maxFallbackChunk is the most data bytes one FallbackData message carries.
+const maxFallbackChunk = 64 << 10
+
+// ctlWriter writes control messages on the session's connection.
+type ctlWriter struct {
+	mu      sync.Mutex // serializes writes on conn; guards scratch
+	conn    net.Conn
+	scratch []byte // message buffer
+	pollMsg []byte // the encoded Polling message
+}
+
+func newCtlWriter(conn net.Conn, version uint8) ctlWriter {
+	return ctlWriter{conn: conn, pollMsg: AppendSimple(nil, version, TypePolling)}
+}
+
+// Write writes p to the stream; see net.Conn. Data goes into slices of
+// shared memory, one event per chain of up to 64 KiB (maxEventBytes). When
+// the buffer region is exhausted Write waits for the peer to free slices
+// (backpressure), or, with Config.Fallback, sends the rest over the control
+// connection as FallbackData. p is not retained. It returns ErrStreamClosed
+// after Close, ErrWriteClosed after CloseWrite, a deadline error (Timeout()
+// true) after the write deadline, ErrQueueFull if the peer leaves the IO
+// queue full for Config.QueueFullTimeout, and the session's error if it
+// ended. Bytes counted in n were handed to the peer.
+func (st *Stream) Write(p []byte) (int, error) {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	if err := st.flushLocked(); err != nil {
+		return 0, err
+	}
+	n := 0
+	for n < len(p) {
+		k, err := st.writeSome(p[n:])
+		n += k
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// writeCheck returns why a write cannot go on, or nil.
+func (st *Stream) writeCheck() error {
+	st.mu.Lock()
+	state := st.state
+	st.mu.Unlock()
+	switch {
+	case state.has(stClosed):
+		return ErrStreamClosed
+	case state.has(stWriteClosed):
+		return ErrWriteClosed
+	}
+	select {
+	case <-st.wdl.wait():
+		return errDeadline
+	default:
+	}
+	return st.s.Err()
+}
+
+// writeSome sends a prefix of p, at most maxEventBytes, and returns its
+// length. The caller holds wmu.
+//
+// Once a stream has sent FallbackData it keeps sending over the control
+// connection: an event put after a FallbackData could otherwise be
+// harvested by the peer before it reads that FallbackData from the socket,
+// reordering the stream's bytes.
+func (st *Stream) writeSome(p []byte) (int, error) {
+	if err := st.writeCheck(); err != nil {
+		return 0, err
+	}
+	s := st.s
+	if !st.viaSocket {
+		p := p[:min(len(p), maxEventBytes)]
+		k := 0
+		err := st.withSpace(!s.cfg.Fallback, func(m *memory) error {
+			st.w.Reset(m.region)
+			n, err := st.w.Write(p)
+			if n == 0 {
+				return err
+			}
+			k = n // what did not fit goes in the next call
+			return st.publishLocked(m)
+		})
+		if k > 0 || !errors.Is(err, buffer.ErrNoSpace) {
+			if err != nil {
+				return 0, err
+			}
+			return k, nil
+		}
+		s.ctr.memoryFull.Add(1)
+		st.viaSocket = true
+	}
+	k := min(len(p), maxFallbackChunk)
+	if err := s.writeFallback(st.id, p[:k], st.queued); err != nil {
+		return 0, err
+	}
+	st.queued = false
+	return k, nil
+}
+
+// withSpace runs try with shm.mu read-locked, and while try reports that
+// the region has no slice left (buffer.ErrNoSpace) and wait is set, again
+// after waiting for the peer to free slices: it yields at first, then
+// sleeps, growing from 4 µs to 256 µs, since the peer's reader frees slices
+// without telling us. It returns try's last error, or why the write
+// cannot go on (writeCheck). Errors other than ErrNoSpace and the
+// session's mean the peer corrupted shared memory: they end the session.
+// The caller holds wmu.
+func (st *Stream) withSpace(wait bool, try func(m *memory) error) error {
+	s := st.s
+	for tries := 0; ; tries++ {
+		err := s.withMem(try)
+		if err == nil || (errors.Is(err, buffer.ErrNoSpace) && !wait) {
+			return err
+		}
+		if !errors.Is(err, buffer.ErrNoSpace) {
+			if errors.Is(err, buffer.ErrCorrupt) {
+				return s.failOp("write", err)
+			}
+			return err
+		}
+		if tries == 0 {
+			s.ctr.memoryFull.Add(1)
+		}
+		if err := st.writeCheck(); err != nil {
+			return err
+		}
+		switch {
+		case tries < 16:
+			runtime.Gosched()
+			continue
+		case tries%16 == 0:
+			// Our own unread data may be what fills the region: an echo
+			// server blocked here holds the request it has not read yet.
+			s.spillStalled()
+		}
+		time.Sleep(time.Duration(4<<min(tries-16, 6)) * time.Microsecond)
+		if err := st.writeCheck(); err != nil {
+			return err
+		}
+	}
+}
+
+// publishLocked finishes the chain in st.w and puts its event. On failure
+// the chain is recycled. The caller holds wmu and shm.mu's read lock.
+func (st *Stream) publishLocked(m *memory) error {
+	head, size := st.w.Finish()
+	if size == 0 {
+		return nil
+	}
+	err := st.s.putEvent(m, queue.Event{StreamID: st.id, Offset: head, Status: stateOpen}, st.closedCh, st.wdl.wait(), false)
+	if err != nil {
+		m.region.FreeChain(head)
+		return err
+	}
+	st.s.ctr.bytesSent.Add(uint64(size))
+	st.queued = true
+	return nil
+}
+
+// MaxSliceSize returns the largest slice size of the session's buffer
+// region in bytes (docs/protocol.md section 2): the most Stream.Reserve
+// gives at once. It returns 0 once the session's shared memory is
+// unmapped.
+func (s *Session) MaxSliceSize() int {
+	n := 0
+	s.withMem(func(m *memory) error {
+		n = m.region.MaxSliceSize()
+		return nil
+	})
+	return n
+}
+
+// Reserve returns n contiguous bytes to fill in place; they are sent, after
+// any bytes reserved before, by the next Flush or Write. The memory lies in
+// a slice of shared memory (zero copy); when the region is exhausted the
+// first Reserve after a Flush waits for space like Write (unless
+// Config.Fallback), and later ones, whose earlier bytes may not be filled
+// yet, return heap memory that Flush copies out. Either way it belongs to
+// the stream and must not be used after that Flush, Write or Close. Errors
+// are Write's; n must be in [1, Session.MaxSliceSize()].
+func (st *Stream) Reserve(n int) ([]byte, error) {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	if err := st.writeCheck(); err != nil {
+		return nil, err
+	}
+	if n <= 0 {
+		return nil, errors.New("shmlink: Reserve of a non-positive length")
+	}
+	if !st.viaSocket && len(st.pending) == 0 {
+		// With nothing reserved yet, wait for the peer to free slices
+		// (unless Config.Fallback); bytes reserved before may be unfilled
+		// yet, so they cannot be sent to make room, and the rest goes to
+		// the heap until Flush.
+		fresh := st.w.Len() == 0
+		var b []byte
+		err := st.withSpace(fresh && !st.s.cfg.Fallback, func(m *memory) (err error) {
+			if fresh {
+				st.w.Reset(m.region)
+			}
+			b, err = st.w.Reserve(n)
+			return err
+		})
+		if !errors.Is(err, buffer.ErrNoSpace) {
+			return b, err
+		}
+	}
+	start := len(st.pending)
+	st.pending = append(st.pending, make([]byte, n)...)
+	return st.pending[start : start+n : start+n], nil
+}
+
+// Flush sends every byte reserved since the last Flush or Write. Errors are
+// Write's, also when nothing is reserved.
+func (st *Stream) Flush() error {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	if err := st.writeCheck(); err != nil {
+		st.abortLocked()
+		return err
+	}
+	return st.flushLocked()
+}
+
+// flushLocked sends what was reserved: the chain in shared memory first,
+// then the bytes that went to the heap. The caller holds wmu.
+func (st *Stream) flushLocked() error {
+	if st.w.Len() == 0 && len(st.pending) == 0 {
+		return nil
+	}
+	if err := st.writeCheck(); err != nil {
+		st.abortLocked()
+		return err
+	}
+	s := st.s
+	if st.w.Len() > 0 {
+		err := s.withMem(st.publishLocked)
+		if err != nil {
+			st.w = buffer.ChainWriter{} // its slices are gone with the mapping, or recycled
+			st.pending = nil
+			return err
+		}
+	}
+	defer func() { st.pending = nil }()
+	if !s.cfg.Fallback && !st.viaSocket {
+		// Backpressure: the heap bytes go into shared memory as it frees.
+		for len(st.pending) > 0 {
+			k, err := st.writeSome(st.pending)
+			if err != nil {
+				return err
+			}
+			st.pending = st.pending[k:]
+		}
+	}
+	for len(st.pending) > 0 {
+		st.viaSocket = true
+		k := min(len(st.pending), maxFallbackChunk)
+		err := s.writeFallback(st.id, st.pending[:k], st.queued)
+		st.queued = false
+		if err != nil {
+			return err
+		}
+		st.pending = st.pending[k:]
+	}
+	return nil
+}
+
+// abortLocked drops reserved bytes, recycling their slices. The caller
+// holds wmu.
+func (st *Stream) abortLocked() {
+	st.pending = nil
+	if st.w.Len() == 0 {
+		return
+	}
+	st.s.withMem(func(*memory) error { return st.w.Abort() })
+	st.w = buffer.ChainWriter{}
+}
+
+// announce sends the event that opens st on the server: its slice holds
+// zero bytes and the server recycles it. When no slice can be had it sends
+// an empty FallbackData instead, and the stream stays on the socket like
+// one that fell back: the server may pop the stream's later events from
+// the IO queue (its data, its close) before it reads the announcement from
+// the socket, and the announcement would then open the stream anew, after
+// its end. The caller holds st.wmu.
+func (s *Session) announce(ctx context.Context, st *Stream) error {
+	return s.withMem(func(m *memory) error {
+		off, err := m.region.Alloc(0)
+		if errors.Is(err, buffer.ErrNoSpace) {
+			st.viaSocket = true
+			return s.writeFallback(st.id, nil, false)
+		}
+		if err == nil {
+			err = m.region.SetPayload(off, 0)
+		}
+		if err != nil {
+			return s.failOp("open stream", err)
+		}
+		// The announcement always wakes the server: its AcceptStream must
+		// not wait for the end of a lease of the working flag.
+		err = s.putEvent(m, queue.Event{StreamID: st.id, Offset: off, Status: stateOpen}, nil, ctx.Done(), true)
+		if err != nil {
+			m.region.Free(off)
+			if err == errDeadline {
+				return ctx.Err()
+			}
+		}
+		return err
+	})
+}
+
+// putEvent publishes one event on the send queue and wakes the peer if it
+// is idle (docs/protocol.md section 3.3), or with wake set whatever its
+// working flag says (a peer of this package may lease the flag). It waits
+// for room while the queue is full, until closed is closed
+// (ErrStreamClosed), cancel is closed (errDeadline), the session ends, or
+// Config.QueueFullTimeout passes (ErrQueueFull). The caller holds shm.mu's
+// read lock.
+func (s *Session) putEvent(m *memory, ev queue.Event, closed, cancel <-chan struct{}, wake bool) error {
+	var start time.Time
+	for tries := 0; ; tries++ {
+		full, err := s.put(m, ev)
+		if err != nil {
+			return err
+		}
+		if !full {
+			break
+		}
+		if tries == 0 {
+			start = time.Now()
+			s.ctr.queueFull.Add(1)
+		}
+		select {
+		case <-s.dead:
+			return s.Err()
+		case <-closed:
+			return ErrStreamClosed
+		case <-cancel:
+			return errDeadline
+		default:
+		}
+		if time.Since(start) > s.cfg.QueueFullTimeout {
+			return ErrQueueFull
+		}
+		// The peer is behind: give it the CPU, then back off.
+		if tries < 64 {
+			runtime.Gosched()
+		} else {
+			time.Sleep(min(time.Duration(tries-63)*10*time.Microsecond, time.Millisecond))
+		}
+	}
+	if m.send.MarkWorking() || wake {
+		s.ctr.wakeupsSent.Add(1)
+		return s.writeCtl(s.ctl.pollMsg)
+	}
+	return nil
+}
+
+// put puts ev on the send queue once and reports whether the queue was
+// full (the caller counts that in Stats.QueueFull); any other error ends
+// the session. The caller holds shm.mu's read lock.
+func (s *Session) put(m *memory, ev queue.Event) (full bool, err error) {
+	s.putMu.Lock()
+	err = m.send.Put(ev)
+	s.putMu.Unlock()
+	switch {
+	case err == nil:
+		s.ctr.eventsSent.Add(1)
+		return false, nil
+	case errors.Is(err, queue.ErrFull):
+		return true, nil
+	}
+	return false, s.failOp("send", err)
+}
+
+// sendCloseLocked tells the peer that stream id is closed: an event
+// {id, 0, 1}, or a StreamClose message when the queue is full or viaSocket
+// is set (the stream's earlier data went over the socket, which the event
+// could overtake). It reports whether the close went over the socket (or
+// could not be sent). Errors end the session and are not returned: a close
+// that cannot be sent means the session is gone anyway. The caller holds
+// shm.mu's read lock.
+func (s *Session) sendCloseLocked(m *memory, id uint32, viaSocket bool) (onSocket bool) {
+	if !viaSocket {
+		full, err := s.put(m, queue.Event{StreamID: id, Status: stateClosed})
+		if err != nil {
+			return true
+		}
+		if !full {
+			if m.send.MarkWorking() {
+				s.ctr.wakeupsSent.Add(1)
+				s.writeCtl(s.ctl.pollMsg)
+			}
+			return false
+		}
+		s.ctr.queueFull.Add(1)
+	}
+	// A Polling first: the peer may handle StreamClose without harvesting
+	// its receive queue (the Rust crate does), and events of this stream
+	// may still be in it.
+	s.ctl.mu.Lock()
+	s.ctl.scratch = append(s.ctl.scratch[:0], s.ctl.pollMsg...)
+	s.ctr.wakeupsSent.Add(1)
+	s.ctl.scratch = AppendStreamClose(s.ctl.scratch, s.version, id)
+	_, err := s.ctl.conn.Write(s.ctl.scratch)
+	s.ctl.mu.Unlock()
+	if err != nil {
+		s.failOp("write", err)
+	}
+	return true
+}
+
+// writeFallback sends data for stream id as one FallbackData message
+// (docs/protocol.md section 1.2), after a Polling if poll is set. A stream
+// sets poll on its first FallbackData after events: a peer may handle
+// FallbackData without harvesting its receive queue first (the Rust crate
+// does), so the Polling makes it harvest the stream's earlier events
+// before it reads these bytes.
+func (s *Session) writeFallback(id uint32, data []byte, poll bool) error {
+	s.ctl.mu.Lock()
+	defer s.ctl.mu.Unlock()
+	s.ctl.scratch = s.ctl.scratch[:0]
+	if poll {
+		s.ctl.scratch = append(s.ctl.scratch, s.ctl.pollMsg...)
+		s.ctr.wakeupsSent.Add(1)
+	}
+	s.ctl.scratch = AppendFallbackHeader(s.ctl.scratch, s.version, id, stateOpen, len(data))
+	bufs := net.Buffers{s.ctl.scratch, data}
+	if _, err := bufs.WriteTo(s.ctl.conn); err != nil {
+		return s.failOp("write", err)
+	}
+	s.ctr.fallbackWrites.Add(1)
+	s.ctr.bytesSent.Add(uint64(len(data)))
+	return nil
+}
+
+// writeCtl writes one whole control message; a failure ends the session.
+func (s *Session) writeCtl(msg []byte) error {
+	s.ctl.mu.Lock()
+	_, err := s.ctl.conn.Write(msg)
+	s.ctl.mu.Unlock()
+	if err != nil {
+		return s.failOp("write", err)
+	}
+	return nil
+}
