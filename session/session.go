@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/shmlink/shmlink/queue"
 )
 
@@ -168,7 +169,7 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 		conn:     conn,
 		isClient: isClient,
 		version:  version,
-		pollMsg:  AppendSimple(nil, version, TypePolling),
+		pollMsg:  wire.AppendSimple(nil, version, wire.TypePolling),
 		mem:      mem,
 		streams:  make(map[uint32]*Stream),
 		live:     make(map[*Stream]struct{}),
@@ -600,7 +601,7 @@ func (s *Session) recvLoop() {
 		s.maybeRelease()
 	}()
 	r := bufio.NewReaderSize(s.conn, 64<<10)
-	var hdr [HeaderSize]byte
+	var hdr [wire.HeaderSize]byte
 	var small [16]byte
 	for {
 		if _, err := io.ReadFull(r, hdr[:]); err != nil {
@@ -617,14 +618,14 @@ func (s *Session) recvLoop() {
 			s.fail(&SessionError{Op: "read", Err: err})
 			return
 		}
-		h, err := ParseHeader(hdr[:], uint32(s.cfg.MaxMessageSize))
+		h, err := wire.ParseHeader(hdr[:], uint32(s.cfg.MaxMessageSize))
 		if err != nil {
 			s.fail(&SessionError{Op: "read", Err: err})
 			return
 		}
-		n := int(h.Length) - HeaderSize
+		n := int(h.Length) - wire.HeaderSize
 		var payload []byte
-		if h.Type == TypeFallbackData {
+		if h.Type == wire.TypeFallbackData {
 			// The data part becomes the stream's; read it into its own buffer.
 			payload = make([]byte, n)
 		} else if n <= len(small) {
@@ -646,16 +647,16 @@ func (s *Session) recvLoop() {
 }
 
 // handle acts on one runtime control message.
-func (s *Session) handle(h Header, payload []byte) error {
+func (s *Session) handle(h wire.Header, payload []byte) error {
 	switch h.Type {
-	case TypePolling:
+	case wire.TypePolling:
 		// Counted once handled, so that a count equal to the peer's
 		// WakeupsSent means no wakeup is still on its way to a drain.
 		err := s.drain()
 		s.ctr.wakeupsReceived.Add(1)
 		return err
-	case TypeStreamClose:
-		id, err := ParseStreamClose(payload)
+	case wire.TypeStreamClose:
+		id, err := wire.ParseStreamClose(payload)
 		if err != nil {
 			return err
 		}
@@ -664,8 +665,8 @@ func (s *Session) handle(h Header, payload []byte) error {
 			return err
 		}
 		return s.dispatch(queue.Event{StreamID: id, Status: stateClosed}, nil)
-	case TypeFallbackData:
-		id, status, data, err := ParseFallback(payload)
+	case wire.TypeFallbackData:
+		id, status, data, err := wire.ParseFallback(payload)
 		if err != nil {
 			return err
 		}
@@ -675,9 +676,9 @@ func (s *Session) handle(h Header, payload []byte) error {
 		s.ctr.fallbackRead.Add(1)
 		s.ctr.bytesReceived.Add(uint64(len(data)))
 		return s.dispatch(queue.Event{StreamID: id, Status: status}, data)
-	case TypeHotRestart:
+	case wire.TypeHotRestart:
 		return s.handleHotRestart(payload)
-	case TypeHotRestartAck:
+	case wire.TypeHotRestartAck:
 		return s.handleHotRestartAck(payload)
 	}
 	return fmt.Errorf("%w: %v after the handshake", ErrProtocol, h.Type)
@@ -908,7 +909,7 @@ func (s *Session) sendCloseLocked(id uint32, viaSocket bool) (onSocket bool) {
 	s.ctlMu.Lock()
 	s.scratch = append(s.scratch[:0], s.pollMsg...)
 	s.ctr.wakeupsSent.Add(1)
-	s.scratch = AppendStreamClose(s.scratch, s.version, id)
+	s.scratch = wire.AppendStreamClose(s.scratch, s.version, id)
 	err := s.writeCtlLocked(s.scratch)
 	s.ctlMu.Unlock()
 	if err != nil {
@@ -931,7 +932,7 @@ func (s *Session) writeFallback(id uint32, data []byte, poll bool) error {
 		s.scratch = append(s.scratch, s.pollMsg...)
 		s.ctr.wakeupsSent.Add(1)
 	}
-	s.scratch = AppendFallbackHeader(s.scratch, s.version, id, stateOpen, len(data))
+	s.scratch = wire.AppendFallbackHeader(s.scratch, s.version, id, stateOpen, len(data))
 	bufs := net.Buffers{s.scratch, data}
 	if _, err := bufs.WriteTo(s.conn); err != nil {
 		s.fail(&SessionError{Op: "write", Err: err})
