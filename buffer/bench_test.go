@@ -91,7 +91,7 @@ func BenchmarkChainWrite(b *testing.B) {
 	}
 }
 
-// BenchmarkChainRead reads a 1 MB chain with ChainReader.read.
+// BenchmarkChainRead reads a 1 MB chain with ChainReader.Read.
 func BenchmarkChainRead(b *testing.B) {
 	r, _ := testRegion(b, DefaultRegionSize, DefaultSizeClasses())
 	w := r.newChainWriter()

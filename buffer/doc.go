@@ -1,16 +1,16 @@
 // Package buffer implements the buffer region of the shmipc protocol
-// (docs/protocol.md section 5): a shared-memory mapping cut into buffer lists
-// of fixed-size slices, which both processes of a session allocate message
+// (PROTOCOL.md section 2): a shared-memory mapping cut into buffer lists of
+// fixed-size slices, which both processes of a session allocate message
 // slices from, lock-free, and which the receiver of a message recycles.
 //
 // The layout is the existing peers' (cloudwego/shmipc-go and the Rust
 // crate shmipc), byte for byte, in host byte order:
 //
-//	region header, 8 bytes
+//	region header, 8 bytes (section 2.1)
 //	  +0  u16  number of buffer lists
 //	  +2  u16  reserved, 0
 //	  +4  u32  bytes used by the lists after this header
-//	buffer list, 36 bytes of header, lists back to back by ascending slice size
+//	buffer list, 36 bytes of header, lists back to back by ascending slice size (2.2)
 //	  +0  i32  free count
 //	  +4  u32  cap: slices in the list
 //	  +8  u32  head: first free slice, relative to the slice area (list + 36)
@@ -18,7 +18,7 @@
 //	  +16 u32  data bytes per slice
 //	  +20 16 bytes of informational counters (+20: i32 slices in use)
 //	  +36 cap slices
-//	slice, 20 bytes of header then the data
+//	slice, 20 bytes of header then the data (2.3)
 //	  +0  u32  cap: data bytes
 //	  +4  u32  size: valid bytes
 //	  +8  u32  start: first valid byte in data

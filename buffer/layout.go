@@ -5,8 +5,8 @@ import (
 	"unsafe"
 )
 
-// Region header, 8 bytes at offset 0 of the mapping (docs/protocol.md
-// section 5), host byte order:
+// Region header, 8 bytes at offset 0 of the mapping (PROTOCOL.md section
+// 2.1), host byte order:
 //
 //	+0 lists     u16  number of buffer lists, 1..maxLists
 //	+2 reserved  u16  0
@@ -18,13 +18,13 @@ const (
 	regionOffUsed     = regionOffReserved + 2
 
 	// regionHeaderSize is the size in bytes of the region header at offset
-	// 0 of the mapping (docs/protocol.md section 5).
+	// 0 of the mapping (PROTOCOL.md section 2.1).
 	regionHeaderSize = regionOffUsed + 4
 )
 
-// Buffer list header, 36 bytes, followed by cap slices (docs/protocol.md
-// section 5). head and tail are offsets relative to the list's slice area,
-// which starts right after this header:
+// Buffer list header, 36 bytes, followed by cap slices (PROTOCOL.md section
+// 2.2). head and tail are offsets relative to the list's slice area, which
+// starts right after this header:
 //
 //	+0  free      i32  free slices, atomic
 //	+4  cap       u32  slices in the list, written once by the creator
@@ -48,12 +48,12 @@ const (
 	listCountersSize = 12
 
 	// listHeaderSize is the size in bytes of a buffer list header
-	// (docs/protocol.md section 5).
+	// (PROTOCOL.md section 2.2).
 	listHeaderSize = listOffCounters + listCountersSize
 )
 
-// Slice header, 20 bytes, followed by the slice's data (docs/protocol.md
-// section 5). next is area-relative while the slice is on a free list and an
+// Slice header, 20 bytes, followed by the slice's data (PROTOCOL.md section
+// 2.3). next is area-relative while the slice is on a free list and an
 // absolute mapping offset while it is part of a message chain:
 //
 //	+0  cap    u32  data bytes, equal to the list's slice size
@@ -74,12 +74,12 @@ const (
 	// three unused bytes after it, accessed together as one atomic u32.
 	sliceFlagsWordSize = 4
 
-	// sliceHeaderSize is the size in bytes of a slice header (docs/protocol.md
-	// section 5).
+	// sliceHeaderSize is the size in bytes of a slice header (PROTOCOL.md
+	// section 2.3).
 	sliceHeaderSize = sliceOffFlags + sliceFlagsWordSize
 )
 
-// Slice flags, the byte at slice header +16 (docs/protocol.md section 5).
+// Slice flags, the byte at slice header +16 (PROTOCOL.md section 2.3).
 const (
 	// flagNext marks the slice's next field as valid: on a free list the
 	// slice has a successor, in a chain the message continues.
@@ -95,8 +95,8 @@ const (
 // it, so a 4-byte aligned mapping keeps every field aligned.
 const fieldAlign = 4
 
-// flagWord returns flags (flagNext, flagAllocated or both) as the native-order
-// u32 word at slice header +16.
+// flagWord returns flags (a FlagXxx combination) as the native-order u32
+// word at slice header +16.
 func flagWord(flags uint8) uint32 { return uint32(flags) << flagShift }
 
 // wordFlags returns the flags byte of a flags word.

@@ -7,8 +7,8 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// TestLayoutOffsets checks the offset constants against the existing
-// peers' layout (docs/protocol.md section 5), transcribed here as numbers.
+// TestLayoutOffsets checks the offset constants against the byte maps of
+// PROTOCOL.md sections 2.1 to 2.3.
 func TestLayoutOffsets(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
@@ -71,7 +71,7 @@ func littleEndian(t *testing.T) {
 }
 
 // checkDefaultLayout checks that mem holds a freshly formatted default
-// region (docs/protocol.md section 5) and that r describes it.
+// region (PROTOCOL.md section 2.2) and that r describes it.
 func checkDefaultLayout(t *testing.T, mem []byte, r *Region) {
 	t.Helper()
 	littleEndian(t)

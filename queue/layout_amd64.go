@@ -1,12 +1,12 @@
 package queue
 
 // Legacy header layout, the one the amd64 peers use and the only one they
-// interoperate with (docs/protocol.md section 5). Byte map of each half:
+// interoperate with (PROTOCOL.md section 3.1). Byte map of each half:
 //
 //	+0  cap          u32  events in this half, written once by the creator
 //	+4  head         i64  consumer count, monotonic; only 4-byte aligned
 //	+12 tail         i64  producer count, monotonic; only 4-byte aligned
-//	+20 working flag u32  1 while the receiver is draining
+//	+20 working flag u32  1 while the receiver is draining (section 3.3)
 //	+24 events       eventSize*cap bytes
 //
 // x86 atomics accept the 4-byte aligned counters as long as they do not

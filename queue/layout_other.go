@@ -2,11 +2,11 @@
 
 package queue
 
-// Aligned header layout, the one the arm64 peers use (docs/protocol.md
-// section 5). Byte map of each half:
+// Aligned header layout, the one the arm64 peers use (PROTOCOL.md section
+// 3.1). Byte map of each half:
 //
 //	+0  cap          u32  events in this half, written once by the creator
-//	+4  working flag u32  1 while the receiver is draining
+//	+4  working flag u32  1 while the receiver is draining (section 3.3)
 //	+8  head         i64  consumer count, monotonic
 //	+16 tail         i64  producer count, monotonic
 //	+24 events       eventSize*cap bytes

@@ -29,9 +29,8 @@ func validCap(cap uint32) bool {
 	return cap%2 == 0
 }
 
-// TestLayout checks the header offsets of this build's layout and the
-// event's against the existing peers' layouts (docs/protocol.md section 5),
-// transcribed here as numbers.
+// TestLayout checks the header offsets of this build's layout against the
+// table in PROTOCOL.md section 3.1 and the event against section 3.2.
 func TestLayout(t *testing.T) {
 	type offsets struct{ cap, head, tail, working, events int }
 	want := map[bool]offsets{
@@ -52,7 +51,7 @@ func TestSize(t *testing.T) {
 		cap  uint32
 		want int
 	}{
-		{DefaultCap, 196656}, // docs/protocol.md section 5
+		{DefaultCap, 196656}, // PROTOCOL.md section 3
 		{1, 2 * (24 + 12)},
 		{7, 2 * (24 + 7*12)},
 		{MaxCap, 2 * (24 + 12<<20)},
