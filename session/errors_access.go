@@ -14,12 +14,11 @@ var (
 	ErrPeerRefused = errors.New("shmlink: peer refused")
 
 	// ErrPathRefused is wrapped by the handshake error of Server when a
-	// client's file-path handshake (ShareMemoryByFilePath, docs/protocol.md
-	// section 1) names anything but a regular file directly inside
-	// Config.ShmDir that belongs to the client's uid: a path outside ShmDir
-	// or with "." or ".." in it, a symlink, a directory, a FIFO, a device, a
-	// socket, a file of another user. Such a path is refused before it is
-	// opened.
+	// client's file-path handshake (ShareMemoryByFilePath, PROTOCOL.md 1.4)
+	// names anything but a regular file directly inside Config.ShmDir that
+	// belongs to the client's uid: a path outside ShmDir or with "." or
+	// ".." in it, a symlink, a directory, a FIFO, a device, a socket, a file
+	// of another user. Such a path is refused before it is opened.
 	ErrPathRefused = errors.New("shmlink: shared-memory path refused")
 )
 

@@ -5,7 +5,7 @@ import (
 	"time"
 )
 
-// The working-flag lease (docs/protocol.md section 3).
+// The working-flag lease (PROTOCOL.md section 3.3).
 //
 // A reader that polls the receive queue (Stream.poll) holds the queue's
 // working flag at 1, so the peer puts events without sending a Polling
