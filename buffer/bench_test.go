@@ -94,7 +94,7 @@ func BenchmarkChainWrite(b *testing.B) {
 // BenchmarkChainRead reads a 1 MB chain with ChainReader.Read.
 func BenchmarkChainRead(b *testing.B) {
 	r, _ := testRegion(b, DefaultRegionSize, DefaultSizeClasses())
-	w := r.NewChainWriter()
+	w := r.newChainWriter()
 	if _, err := w.Write(pattern(1<<20, 2)); err != nil {
 		b.Fatal(err)
 	}
@@ -107,7 +107,7 @@ func BenchmarkChainRead(b *testing.B) {
 		if err := c.Reset(r, head); err != nil {
 			b.Fatal(err)
 		}
-		if _, err := io.ReadFull(&c, dst); err != nil {
+		if _, err := io.ReadFull(chainIO{&c}, dst); err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -10,9 +10,8 @@ import (
 // out room to fill in place, Finish links the chain up and returns its
 // head, the offset that goes on the wire.
 //
-// The zero value is unusable; make one with Region.NewChainWriter, or
-// declare a value and Reset it, which allocates nothing: a ChainWriter is
-// meant to be reused, one message after another. It is not safe for
+// The zero value is unusable: Reset it onto a Region, which allocates
+// nothing. A ChainWriter is meant to be reused, one message after another. It is not safe for
 // concurrent use. Until Finish or Abort the slices of the chain belong to
 // the writer; after Finish they belong to whoever the head is given to.
 type ChainWriter struct {
@@ -24,8 +23,8 @@ type ChainWriter struct {
 	size int    // bytes of the whole chain written
 }
 
-// NewChainWriter returns an empty ChainWriter on r.
-func (r *Region) NewChainWriter() *ChainWriter {
+// newChainWriter returns an empty ChainWriter on r (for tests).
+func (r *Region) newChainWriter() *ChainWriter {
 	return &ChainWriter{r: r}
 }
 
@@ -156,7 +155,7 @@ type ChainReader struct {
 	more    bool   // next is valid
 	left    uint32 // slices the walk may still visit
 	off     uint32 // slice pending is from
-	pending []byte // what Read left of the current slice's payload
+	pending []byte // what read left of the current slice's payload
 }
 
 // Reset makes c read the chain whose first slice is at absolute offset
@@ -171,8 +170,8 @@ func (c *ChainReader) Reset(r *Region, head uint32) error {
 	return nil
 }
 
-// Next returns the payload of the chain's next slice (or, after Read, what
-// Read left of the current one) and the absolute offset of that slice. p
+// Next returns the payload of the chain's next slice (or, after read, what
+// read left of the current one) and the absolute offset of that slice. p
 // points into shared memory, valid until the chain is freed; see
 // Region.Payload. At the end of the chain Next returns io.EOF.
 //

@@ -35,7 +35,7 @@ func readChain(t *testing.T, r *Region, head uint32) ([]byte, []int) {
 			return got, classes
 		}
 		require.NoError(t, err)
-		h, err := r.Slice(off)
+		h, err := r.slice(off)
 		require.NoError(t, err)
 		require.Equal(t, int(h.Size), len(p))
 		k := -1
@@ -61,7 +61,7 @@ func capacity(r *Region) int {
 
 func TestChainRoundTrip(t *testing.T) {
 	r, _ := testRegion(t, DefaultRegionSize, DefaultSizeClasses())
-	w := r.NewChainWriter()
+	w := r.newChainWriter()
 	for _, tc := range []struct {
 		size  int
 		chunk int // bytes per Write; 0: one Write
@@ -106,7 +106,7 @@ func TestChainRoundTrip(t *testing.T) {
 
 			var c ChainReader
 			require.NoError(t, c.Reset(r, head))
-			got, err := io.ReadAll(&c)
+			got, err := io.ReadAll(chainIO{&c})
 			require.NoError(t, err)
 			require.True(t, bytes.Equal(want, got), "Read differs")
 
@@ -158,7 +158,7 @@ func TestChainNoSpace(t *testing.T) {
 
 func TestChainReserve(t *testing.T) {
 	r, _ := testRegion(t, smallSize, smallClasses)
-	w := r.NewChainWriter()
+	w := r.newChainWriter()
 
 	b, err := w.Reserve(0)
 	require.NoError(t, err)
@@ -215,7 +215,7 @@ func TestChainReserve(t *testing.T) {
 
 func TestChainEmpty(t *testing.T) {
 	r, _ := testRegion(t, smallSize, smallClasses)
-	w := r.NewChainWriter()
+	w := r.newChainWriter()
 	n, err := w.Write(nil)
 	require.NoError(t, err)
 	require.Zero(t, n)
@@ -235,7 +235,7 @@ func TestChainEmpty(t *testing.T) {
 // TestChainReaderMixed interleaves Read and Next.
 func TestChainReaderMixed(t *testing.T) {
 	r, _ := testRegion(t, smallSize, smallClasses)
-	w := r.NewChainWriter()
+	w := r.newChainWriter()
 	want := pattern(300, 3) // 124 + 124 + 52 bytes in class 0 slices
 	for i := 0; i < len(want); i += 100 {
 		_, err := w.Write(want[i : i+100])
@@ -256,7 +256,7 @@ func TestChainReaderMixed(t *testing.T) {
 	p, _, err = c.Next()
 	require.NoError(t, err)
 	require.Equal(t, want[124:248], p)
-	rest, err := io.ReadAll(&c)
+	rest, err := io.ReadAll(chainIO{&c})
 	require.NoError(t, err)
 	require.Equal(t, want[248:], rest)
 	_, _, err = c.Next()
@@ -341,7 +341,7 @@ func TestChainConcurrent(t *testing.T) {
 					errs <- err
 					return
 				}
-				n, err := io.ReadFull(&c, buf[:m.size])
+				n, err := io.ReadFull(chainIO{&c}, buf[:m.size])
 				if err != nil || n != m.size {
 					errs <- fmt.Errorf("read %d of %d bytes: %w", n, m.size, err)
 					return
@@ -366,3 +366,8 @@ func TestChainConcurrent(t *testing.T) {
 	}
 	require.Equal(t, []int{0, 0, 0}, r.InUse())
 }
+
+// chainIO is a ChainReader as an io.Reader.
+type chainIO struct{ c *ChainReader }
+
+func (r chainIO) Read(p []byte) (int, error) { return r.c.Read(p) }

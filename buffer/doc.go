@@ -23,12 +23,12 @@
 //	  +4  u32  size: valid bytes
 //	  +8  u32  start: first valid byte in data
 //	  +12 u32  next: free list: area-relative; message chain: absolute offset
-//	  +16 u8   flags: FlagNext 0x01, FlagAllocated 0x02; 3 unused bytes
+//	  +16 u8   flags: 0x01 next is valid, 0x02 allocated; 3 unused bytes
 //	  +20      data
 //
 // A slice is named on the wire, in IO-queue events and chain links, by the
 // absolute offset of its header from the start of the mapping. A message
-// is a chain of slices linked by next and FlagNext; Region.Alloc and
+// is a chain of slices linked by next and flag 0x01; Region.Alloc and
 // Region.Free pop and push single slices, ChainWriter and ChainReader build
 // and walk chains.
 //

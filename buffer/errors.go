@@ -22,7 +22,7 @@ var (
 
 	// ErrBadConfig is returned, wrapped with the reason, by Format when the
 	// size classes or the memory cannot make a region: no classes or more
-	// than MaxLists, slice sizes not ascending or not multiples of 4, percents
+	// than 32, slice sizes not ascending or not multiples of 4, percents
 	// not summing to 100, a list of fewer than 2 slices, memory too small,
 	// 4 GiB or larger, or not 4-byte aligned.
 	ErrBadConfig = errors.New("buffer: bad region config")

@@ -91,9 +91,9 @@ func (f *fuzzer) target() uint32 {
 	switch f.u8() % 4 {
 	case 0:
 		l := f.lists[int(f.u8())%len(f.lists)]
-		return l.Offset + uint32(f.u8())%(ListHeaderSize/4)*4
+		return l.Offset + uint32(f.u8())%(listHeaderSize/4)*4
 	case 1, 2:
-		return f.slot() + uint32(f.u8())%(SliceHeaderSize/4)*4
+		return f.slot() + uint32(f.u8())%(sliceHeaderSize/4)*4
 	default:
 		return uint32(f.u16()) % fuzzSize &^ 3
 	}
@@ -102,7 +102,7 @@ func (f *fuzzer) target() uint32 {
 // value returns a u32 chosen by the input: mostly values that look right.
 func (f *fuzzer) value() uint32 {
 	l := f.lists[int(f.u8())%len(f.lists)]
-	stride := l.SliceSize + SliceHeaderSize
+	stride := l.SliceSize + sliceHeaderSize
 	switch f.u8() % 6 {
 	case 0:
 		return uint32(f.u8()) % l.Cap * stride // area-relative offset
@@ -262,7 +262,7 @@ func (f *fuzzer) step() {
 		if !f.damaged {
 			require.Equal(t, n, total)
 			require.NoError(t, f.c.Reset(f.r, head))
-			got, err := io.ReadFull(&f.c, f.dst[:total])
+			got, err := io.ReadFull(chainIO{&f.c}, f.dst[:total])
 			require.NoError(t, err)
 			require.True(t, bytes.Equal(f.src[:n], f.dst[:got]))
 			_, _, err = f.c.Next()
@@ -276,8 +276,8 @@ func (f *fuzzer) step() {
 	case opRead:
 		off := f.offset()
 		isHeld := slices.Contains(f.held, off)
-		_, serr := f.r.Slice(off)
-		_, derr := f.r.Data(off)
+		_, serr := f.r.slice(off)
+		_, derr := f.r.dataAt(off)
 		_, _, _, perr := f.r.Payload(off)
 		if !f.damaged && isHeld {
 			require.NoError(t, serr)

@@ -8,7 +8,7 @@ import (
 // Region header, 8 bytes at offset 0 of the mapping (PROTOCOL.md section
 // 2.1), host byte order:
 //
-//	+0 lists     u16  number of buffer lists, 1..MaxLists
+//	+0 lists     u16  number of buffer lists, 1..maxLists
 //	+2 reserved  u16  0
 //	+4 used      u32  bytes of buffer lists after this header
 //	+8 buffer lists, back to back, ascending slice size, no padding
@@ -17,9 +17,9 @@ const (
 	regionOffReserved = regionOffLists + 2
 	regionOffUsed     = regionOffReserved + 2
 
-	// RegionHeaderSize is the size in bytes of the region header at offset
+	// regionHeaderSize is the size in bytes of the region header at offset
 	// 0 of the mapping (PROTOCOL.md section 2.1).
-	RegionHeaderSize = regionOffUsed + 4
+	regionHeaderSize = regionOffUsed + 4
 )
 
 // Buffer list header, 36 bytes, followed by cap slices (PROTOCOL.md section
@@ -33,7 +33,7 @@ const (
 //	+16 size      u32  data bytes per slice, written once by the creator
 //	+20 in use    i32  slices handed out, informational, atomic
 //	+24 counters  12 bytes, informational, never read
-//	+36 slice 0, slice 1, ... slice cap-1, each SliceHeaderSize+size bytes
+//	+36 slice 0, slice 1, ... slice cap-1, each sliceHeaderSize+size bytes
 const (
 	listOffFree      = 0
 	listOffCap       = listOffFree + 4
@@ -47,9 +47,9 @@ const (
 	// after the in-use count.
 	listCountersSize = 12
 
-	// ListHeaderSize is the size in bytes of a buffer list header
+	// listHeaderSize is the size in bytes of a buffer list header
 	// (PROTOCOL.md section 2.2).
-	ListHeaderSize = listOffCounters + listCountersSize
+	listHeaderSize = listOffCounters + listCountersSize
 )
 
 // Slice header, 20 bytes, followed by the slice's data (PROTOCOL.md section
@@ -60,7 +60,7 @@ const (
 //	+4  size   u32  valid bytes, written by the sender before publishing
 //	+8  start  u32  offset of the first valid byte in data (0 in practice)
 //	+12 next   u32  next slice: free list (relative) or chain (absolute)
-//	+16 flags  u8   FlagNext | FlagAllocated
+//	+16 flags  u8   flagNext | flagAllocated
 //	+17 unused 3 bytes; with flags they form the u32 word the atomics use
 //	+20 data   cap bytes
 const (
@@ -74,20 +74,20 @@ const (
 	// three unused bytes after it, accessed together as one atomic u32.
 	sliceFlagsWordSize = 4
 
-	// SliceHeaderSize is the size in bytes of a slice header (PROTOCOL.md
+	// sliceHeaderSize is the size in bytes of a slice header (PROTOCOL.md
 	// section 2.3).
-	SliceHeaderSize = sliceOffFlags + sliceFlagsWordSize
+	sliceHeaderSize = sliceOffFlags + sliceFlagsWordSize
 )
 
 // Slice flags, the byte at slice header +16 (PROTOCOL.md section 2.3).
 const (
-	// FlagNext marks the slice's next field as valid: on a free list the
+	// flagNext marks the slice's next field as valid: on a free list the
 	// slice has a successor, in a chain the message continues.
-	FlagNext = 0x01
+	flagNext = 0x01
 
-	// FlagAllocated marks a slice popped from its free list and not yet
+	// flagAllocated marks a slice popped from its free list and not yet
 	// recycled.
-	FlagAllocated = 0x02
+	flagAllocated = 0x02
 )
 
 // fieldAlign is the alignment in bytes every shared field needs for the

@@ -17,29 +17,29 @@ func TestLayoutOffsets(t *testing.T) {
 		{"region lists", regionOffLists, 0},
 		{"region reserved", regionOffReserved, 2},
 		{"region used", regionOffUsed, 4},
-		{"RegionHeaderSize", RegionHeaderSize, 8},
+		{"regionHeaderSize", regionHeaderSize, 8},
 		{"list free", listOffFree, 0},
 		{"list cap", listOffCap, 4},
 		{"list head", listOffHead, 8},
 		{"list tail", listOffTail, 12},
 		{"list slice size", listOffSliceSize, 16},
 		{"list in use", listOffInUse, 20},
-		{"list counters", listOffInUse + 16, ListHeaderSize},
-		{"ListHeaderSize", ListHeaderSize, 36},
+		{"list counters", listOffInUse + 16, listHeaderSize},
+		{"listHeaderSize", listHeaderSize, 36},
 		{"slice cap", sliceOffCap, 0},
 		{"slice size", sliceOffSize, 4},
 		{"slice start", sliceOffStart, 8},
 		{"slice next", sliceOffNext, 12},
 		{"slice flags", sliceOffFlags, 16},
-		{"SliceHeaderSize", SliceHeaderSize, 20},
-		{"FlagNext", FlagNext, 0x01},
-		{"FlagAllocated", FlagAllocated, 0x02},
+		{"sliceHeaderSize", sliceHeaderSize, 20},
+		{"flagNext", flagNext, 0x01},
+		{"flagAllocated", flagAllocated, 0x02},
 		{"DefaultRegionSize", DefaultRegionSize, 32 << 20},
 	} {
 		require.Equal(t, tc.want, tc.got, tc.name)
 	}
 	// Every shared field must stay 4-byte aligned for the atomics.
-	for _, off := range []int{RegionHeaderSize, ListHeaderSize, SliceHeaderSize,
+	for _, off := range []int{regionHeaderSize, listHeaderSize, sliceHeaderSize,
 		listOffFree, listOffCap, listOffHead, listOffTail, listOffSliceSize, listOffInUse,
 		sliceOffCap, sliceOffSize, sliceOffStart, sliceOffNext, sliceOffFlags} {
 		require.Zero(t, off%fieldAlign, "offset %d", off)
@@ -49,9 +49,9 @@ func TestLayoutOffsets(t *testing.T) {
 // TestFlagWord checks that the flags byte is the first byte of its word.
 func TestFlagWord(t *testing.T) {
 	var b [4]byte
-	binary.NativeEndian.PutUint32(b[:], flagWord(FlagNext|FlagAllocated))
+	binary.NativeEndian.PutUint32(b[:], flagWord(flagNext|flagAllocated))
 	require.Equal(t, [4]byte{0x03, 0, 0, 0}, b)
-	require.Equal(t, uint8(FlagAllocated), wordFlags(binary.NativeEndian.Uint32([]byte{0x02, 0xff, 0xff, 0xff})))
+	require.Equal(t, uint8(flagAllocated), wordFlags(binary.NativeEndian.Uint32([]byte{0x02, 0xff, 0xff, 0xff})))
 }
 
 func TestDefaultSizeClasses(t *testing.T) {
@@ -75,7 +75,7 @@ func littleEndian(t *testing.T) {
 func checkDefaultLayout(t *testing.T, mem []byte, r *Region) {
 	t.Helper()
 	littleEndian(t)
-	require.Equal(t, []byte{0x03, 0x00, 0x00, 0x00, 0x6c, 0x60, 0xff, 0x01}, mem[:RegionHeaderSize])
+	require.Equal(t, []byte{0x03, 0x00, 0x00, 0x00, 0x6c, 0x60, 0xff, 0x01}, mem[:regionHeaderSize])
 
 	off0 := uint32(8)
 	off1 := off0 + 36 + 2047*8192
@@ -93,14 +93,14 @@ func checkDefaultLayout(t *testing.T, mem []byte, r *Region) {
 	le := binary.LittleEndian
 	for _, l := range r.Lists() {
 		h := mem[l.Offset:]
-		stride := l.SliceSize + SliceHeaderSize
+		stride := l.SliceSize + sliceHeaderSize
 		require.Equal(t, l.Cap, le.Uint32(h[0:]), "free")
 		require.Equal(t, l.Cap, le.Uint32(h[4:]), "cap")
 		require.Equal(t, uint32(0), le.Uint32(h[8:]), "head")
 		require.Equal(t, (l.Cap-1)*stride, le.Uint32(h[12:]), "tail")
 		require.Equal(t, l.SliceSize, le.Uint32(h[16:]), "slice size")
 		require.Equal(t, make([]byte, 16), h[20:36], "counters")
-		area := l.Offset + ListHeaderSize
+		area := l.Offset + listHeaderSize
 		for i := uint32(0); i < l.Cap; i++ {
 			s := mem[area+i*stride:]
 			require.Equal(t, l.SliceSize, le.Uint32(s[0:]), "slice %d cap", i)
@@ -108,7 +108,7 @@ func checkDefaultLayout(t *testing.T, mem []byte, r *Region) {
 			require.Equal(t, uint32(0), le.Uint32(s[8:]), "slice %d start", i)
 			if i < l.Cap-1 {
 				require.Equal(t, (i+1)*stride, le.Uint32(s[12:]), "slice %d next", i)
-				require.Equal(t, []byte{FlagNext, 0, 0, 0}, s[16:20], "slice %d flags", i)
+				require.Equal(t, []byte{flagNext, 0, 0, 0}, s[16:20], "slice %d flags", i)
 			} else {
 				require.Equal(t, []byte{0, 0, 0, 0}, s[16:20], "last slice flags")
 			}

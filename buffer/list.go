@@ -30,12 +30,12 @@ const (
 // offset read at run time (head, tail, next) is checked against this copy.
 type list struct {
 	off      uint32 // absolute offset of the list header
-	area     uint32 // absolute offset of slice 0: off + ListHeaderSize
+	area     uint32 // absolute offset of slice 0: off + listHeaderSize
 	areaLen  uint32 // bytes of slices: cap * stride
 	end      uint32 // absolute offset one past the last slice
 	cap      uint32 // slices in the list
 	dataSize uint32 // data bytes per slice
-	stride   uint32 // SliceHeaderSize + dataSize
+	stride   uint32 // sliceHeaderSize + dataSize
 	// strideMask is stride-1 when stride is a power of two (the default
 	// classes), letting validRel avoid a division; 0 otherwise.
 	strideMask uint32
@@ -51,10 +51,10 @@ type list struct {
 // slices of dataSize data bytes. The caller has checked that the list lies
 // inside the mapping that starts at base.
 func newList(base unsafe.Pointer, off, cap, dataSize uint32) list {
-	stride := SliceHeaderSize + dataSize
+	stride := sliceHeaderSize + dataSize
 	l := list{
 		off:      off,
-		area:     off + ListHeaderSize,
+		area:     off + listHeaderSize,
 		areaLen:  cap * stride,
 		cap:      cap,
 		dataSize: dataSize,
@@ -85,19 +85,19 @@ func (l *list) validRel(rel uint32) bool {
 
 // format writes the initial state of the list and its slices (PROTOCOL.md
 // section 2.2): every slice free and linked to the next, the last one
-// without FlagNext. Only the creator calls it, before any peer attaches.
+// without flagNext. Only the creator calls it, before any peer attaches.
 func (l *list) format(base unsafe.Pointer) {
 	*u32(base, l.off+listOffFree) = l.cap
 	*u32(base, l.off+listOffCap) = l.cap
 	*u32(base, l.off+listOffHead) = 0
 	*u32(base, l.off+listOffTail) = l.areaLen - l.stride
 	*u32(base, l.off+listOffSliceSize) = l.dataSize
-	for c := uint32(listOffInUse); c < ListHeaderSize; c += 4 {
+	for c := uint32(listOffInUse); c < listHeaderSize; c += 4 {
 		*u32(base, l.off+c) = 0
 	}
 	for rel := uint32(0); rel < l.areaLen; rel += l.stride {
 		h := l.area + rel
-		next, flags := rel+l.stride, uint8(FlagNext)
+		next, flags := rel+l.stride, uint8(flagNext)
 		if next == l.areaLen {
 			next, flags = 0, 0
 		}
@@ -134,7 +134,7 @@ func (l *list) pop(base unsafe.Pointer) (uint32, error) {
 			return 0, l.corrupt("head", h)
 		}
 		hdr := l.area + h
-		if load32(base, hdr+sliceOffFlags)&flagWord(FlagNext) == 0 {
+		if load32(base, hdr+sliceOffFlags)&flagWord(flagNext) == 0 {
 			// The head is the last free slice, or a push has moved the
 			// tail but not linked it yet.
 			if atomic.LoadInt32(l.free) <= 1 {
@@ -154,7 +154,7 @@ func (l *list) pop(base unsafe.Pointer) (uint32, error) {
 			// The slice is ours: restore the cap a peer may have
 			// damaged, then mark it allocated.
 			*u32(base, hdr+sliceOffCap) = l.dataSize
-			atomic.StoreUint32(u32(base, hdr+sliceOffFlags), flagWord(FlagAllocated))
+			atomic.StoreUint32(u32(base, hdr+sliceOffFlags), flagWord(flagAllocated))
 			atomic.AddInt32(l.inUse, 1)
 			return hdr, nil
 		}
@@ -180,7 +180,7 @@ func (l *list) push(base unsafe.Pointer, hdr uint32) error {
 		if atomic.CompareAndSwapUint32(l.tail, t, rel) {
 			old := l.area + t
 			atomic.StoreUint32(u32(base, old+sliceOffNext), rel)
-			atomic.OrUint32(u32(base, old+sliceOffFlags), flagWord(FlagNext))
+			atomic.OrUint32(u32(base, old+sliceOffFlags), flagWord(flagNext))
 			atomic.AddInt32(l.free, 1)
 			atomic.AddInt32(l.inUse, -1)
 			return nil

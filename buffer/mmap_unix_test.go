@@ -29,7 +29,7 @@ func TestFormatSharedMapping(t *testing.T) {
 	// A second view, as the peer would have, shares every list.
 	a, err := Attach(mem)
 	require.NoError(t, err)
-	w := r.NewChainWriter()
+	w := r.newChainWriter()
 	want := pattern(1<<20, 9)
 	_, err = w.Write(want)
 	require.NoError(t, err)

@@ -13,17 +13,17 @@ const (
 	// existing peers create by default (PROTOCOL.md section 2.2): 32 MiB.
 	DefaultRegionSize = 32 << 20
 
-	// MaxLists is the largest number of buffer lists (size classes) Format
+	// maxLists is the largest number of buffer lists (size classes) Format
 	// writes and Attach accepts. The header field is 16 bits; the bound keeps
 	// the per-offset list lookup short and what a peer can make us allocate
 	// small.
-	MaxLists = 32
+	maxLists = 32
 )
 
 // A SizeClass describes one buffer list of a region to Format.
 type SizeClass struct {
 	// SliceSize is the data bytes of each slice, excluding the
-	// SliceHeaderSize-byte header. It must be a positive multiple of 4 so
+	// 20-byte header. It must be a positive multiple of 4 so
 	// that every header stays 4-byte aligned for the atomics.
 	SliceSize uint32
 
@@ -39,9 +39,9 @@ type SizeClass struct {
 // returned slice is new on every call; the caller may modify it.
 func DefaultSizeClasses() []SizeClass {
 	return []SizeClass{
-		{SliceSize: 8<<10 - SliceHeaderSize, Percent: 50},
-		{SliceSize: 32<<10 - SliceHeaderSize, Percent: 30},
-		{SliceSize: 128<<10 - SliceHeaderSize, Percent: 20},
+		{SliceSize: 8<<10 - sliceHeaderSize, Percent: 50},
+		{SliceSize: 32<<10 - sliceHeaderSize, Percent: 30},
+		{SliceSize: 128<<10 - sliceHeaderSize, Percent: 20},
 	}
 }
 
@@ -73,7 +73,7 @@ type ListInfo struct {
 //
 // All methods are safe for concurrent use, by many goroutines of this
 // process and by the peer; they use no locks. The methods that write a
-// slice (SetPayload, Link, Data's bytes) expect the caller to own it: it
+// slice (SetPayload) expect the caller to own it: it
 // came from Alloc and has not been published or freed.
 type Region struct {
 	mem   []byte
@@ -84,12 +84,12 @@ type Region struct {
 
 // Format writes the initial layout of a region with the given size classes
 // into mem (PROTOCOL.md sections 2.1 and 2.2) and returns a view of it. The
-// classes must be 1 to MaxLists, in strictly ascending SliceSize, each a
+// classes must be 1 to 32, in strictly ascending SliceSize, each a
 // positive multiple of 4, with percents summing to 100; each list gets
-// floor(floor(regionCap*Percent/100) / (SliceSize+SliceHeaderSize)) slices,
-// where regionCap = len(mem) - RegionHeaderSize - ListHeaderSize*len(classes),
-// and each must get at least 2. mem must be 4-byte aligned (a mapping is)
-// and shorter than 4 GiB. The bytes of mem after the lists and the slices'
+// floor(floor(regionCap*Percent/100) / (SliceSize+20)) slices, where
+// regionCap = len(mem) - 8 - 36*len(classes) (less the region header and
+// the list headers), and each must get at least 2. mem must be 4-byte
+// aligned (a mapping is) and shorter than 4 GiB. The bytes of mem after the lists and the slices'
 // data are left as they are.
 //
 // Format returns an error wrapping ErrBadConfig when a condition above does
@@ -100,8 +100,8 @@ func Format(mem []byte, classes []SizeClass) (*Region, error) {
 		return nil, fmt.Errorf("buffer: format: %s: %w", reason, ErrBadConfig)
 	}
 	n := len(classes)
-	if n == 0 || n > MaxLists {
-		return nil, fmt.Errorf("buffer: format: %d size classes, want 1 to %d: %w", n, MaxLists, ErrBadConfig)
+	if n == 0 || n > maxLists {
+		return nil, fmt.Errorf("buffer: format: %d size classes, want 1 to %d: %w", n, maxLists, ErrBadConfig)
 	}
 	var sum uint64
 	for i, c := range classes {
@@ -118,27 +118,27 @@ func Format(mem []byte, classes []SizeClass) (*Region, error) {
 	if sum != 100 {
 		return nil, fmt.Errorf("buffer: format: percents sum to %d, want 100: %w", sum, ErrBadConfig)
 	}
-	headers := uint64(RegionHeaderSize + ListHeaderSize*n)
+	headers := uint64(regionHeaderSize + listHeaderSize*n)
 	if uint64(len(mem)) <= headers {
 		return nil, fmt.Errorf("buffer: format: %d bytes cannot hold %d list headers: %w", len(mem), n, ErrBadConfig)
 	}
 	regionCap := uint64(len(mem)) - headers
 	base := unsafe.Pointer(unsafe.SliceData(mem))
 	lists := make([]list, n)
-	off := uint64(RegionHeaderSize)
+	off := uint64(regionHeaderSize)
 	for i, c := range classes {
-		stride := uint64(c.SliceSize) + SliceHeaderSize
+		stride := uint64(c.SliceSize) + sliceHeaderSize
 		count := regionCap * uint64(c.Percent) / 100 / stride
 		if count < 2 {
 			return nil, fmt.Errorf("buffer: format: class %d (%d-byte slices at %d%%) gets %d slices of %d bytes, want at least 2: %w",
 				i, c.SliceSize, c.Percent, count, len(mem), ErrBadConfig)
 		}
 		lists[i] = newList(base, uint32(off), uint32(count), c.SliceSize)
-		off += ListHeaderSize + count*stride
+		off += listHeaderSize + count*stride
 	}
 	binary.NativeEndian.PutUint16(mem[regionOffLists:], uint16(n))
 	binary.NativeEndian.PutUint16(mem[regionOffReserved:], 0)
-	binary.NativeEndian.PutUint32(mem[regionOffUsed:], uint32(off-RegionHeaderSize))
+	binary.NativeEndian.PutUint32(mem[regionOffUsed:], uint32(off-regionHeaderSize))
 	for i := range lists {
 		lists[i].format(base)
 	}
@@ -147,7 +147,7 @@ func Format(mem []byte, classes []SizeClass) (*Region, error) {
 
 // Attach returns a view of a region a peer formatted in mem (PROTOCOL.md
 // sections 2.1 and 2.2). It checks the header against the mapping: 1 to
-// MaxLists lists, each with at least one slice, a slice size that is a
+// 32 lists, each with at least one slice, a slice size that is a
 // positive multiple of 4 and not below the previous list's, all lying back
 // to back inside mem and together exactly the header's used bytes. The
 // free lists themselves (free count, head, tail, links) are not checked
@@ -162,19 +162,19 @@ func Attach(mem []byte) (*Region, error) {
 	}
 	n := int(binary.NativeEndian.Uint16(mem[regionOffLists:]))
 	used := uint64(binary.NativeEndian.Uint32(mem[regionOffUsed:]))
-	if n == 0 || n > MaxLists {
-		return nil, fmt.Errorf("buffer: attach: %d buffer lists, want 1 to %d: %w", n, MaxLists, ErrCorrupt)
+	if n == 0 || n > maxLists {
+		return nil, fmt.Errorf("buffer: attach: %d buffer lists, want 1 to %d: %w", n, maxLists, ErrCorrupt)
 	}
-	limit := RegionHeaderSize + used
+	limit := regionHeaderSize + used
 	if limit > uint64(len(mem)) {
 		return nil, fmt.Errorf("buffer: attach: header claims %d bytes of lists, mapping has %d bytes: %w",
 			used, len(mem), ErrCorrupt)
 	}
 	base := unsafe.Pointer(unsafe.SliceData(mem))
 	lists := make([]list, n)
-	off := uint64(RegionHeaderSize)
+	off := uint64(regionHeaderSize)
 	for i := range lists {
-		if off+ListHeaderSize > limit {
+		if off+listHeaderSize > limit {
 			return nil, fmt.Errorf("buffer: attach: list %d at %d: header past the used bytes (%d): %w", i, off, limit, ErrCorrupt)
 		}
 		slices := binary.NativeEndian.Uint32(mem[off+listOffCap:])
@@ -186,7 +186,7 @@ func Attach(mem []byte) (*Region, error) {
 			return nil, fmt.Errorf("buffer: attach: list %d at %d: slice size %d below the previous list's %d: %w",
 				i, off, size, lists[i-1].dataSize, ErrCorrupt)
 		}
-		end := off + ListHeaderSize + uint64(slices)*(uint64(size)+SliceHeaderSize)
+		end := off + listHeaderSize + uint64(slices)*(uint64(size)+sliceHeaderSize)
 		if end > limit {
 			return nil, fmt.Errorf("buffer: attach: list %d at %d: %d slices of %d bytes end at %d, past the used bytes (%d): %w",
 				i, off, slices, size, end, limit, ErrCorrupt)
@@ -203,8 +203,8 @@ func Attach(mem []byte) (*Region, error) {
 // checkMem returns why mem cannot hold a region, or "".
 func checkMem(mem []byte) string {
 	switch {
-	case len(mem) < RegionHeaderSize:
-		return fmt.Sprintf("%d bytes of memory, want at least %d", len(mem), RegionHeaderSize)
+	case len(mem) < regionHeaderSize:
+		return fmt.Sprintf("%d bytes of memory, want at least %d", len(mem), regionHeaderSize)
 	case uint64(len(mem)) > math.MaxUint32:
 		return fmt.Sprintf("%d bytes of memory, want less than 4 GiB", len(mem))
 	case uintptr(unsafe.Pointer(unsafe.SliceData(mem)))%fieldAlign != 0:
@@ -257,7 +257,7 @@ func (r *Region) InUse() []int {
 // (PROTOCOL.md sections 2.3 and 2.4). It tries the smallest class whose
 // SliceSize is at least size, then the larger ones; when size exceeds
 // MaxSliceSize only the largest class is tried. The slice comes with
-// FlagAllocated set, size and start 0, and belongs to the caller until it
+// its allocated flag set, size and start 0, and belongs to the caller until it
 // is freed (Free, FreeChain) or published to the peer, whose receiver then
 // frees it.
 //
@@ -335,7 +335,7 @@ func badOffset(op string, off uint32) error {
 //
 // Free returns an error wrapping ErrCorrupt, and recycles nothing, when off
 // is not a slice header, the slice's cap field is not its list's slice
-// size, or the slice lacks FlagAllocated (it is free already: a double
+// size, or the slice is not marked allocated (it is free already: a double
 // free). It also returns one when the list's tail is invalid; the slice is
 // then lost.
 func (r *Region) Free(off uint32) error {
@@ -356,7 +356,7 @@ func (r *Region) free(l *list, off uint32) (uint32, error) {
 	fp := u32(r.base, off+sliceOffFlags)
 	for range claimTries {
 		fw := atomic.LoadUint32(fp)
-		if fw&flagWord(FlagAllocated) == 0 {
+		if fw&flagWord(flagAllocated) == 0 {
 			return 0, fmt.Errorf("buffer: free slice at %d: not allocated (flags %#x): %w", off, wordFlags(fw), ErrCorrupt)
 		}
 		if atomic.CompareAndSwapUint32(fp, fw, 0) {
@@ -367,7 +367,7 @@ func (r *Region) free(l *list, off uint32) (uint32, error) {
 }
 
 // FreeChain frees every slice of the chain that starts at absolute offset
-// head, following next links while FlagNext is set (PROTOCOL.md section
+// head, following next links while the slice's next flag is set (PROTOCOL.md section
 // 2.3), and returns the number of slices freed. Each link is read before
 // its slice is freed. The walk ends after at most as many links as the
 // region has slices.
@@ -389,7 +389,7 @@ func (r *Region) FreeChain(head uint32) (n int, err error) {
 		if err != nil {
 			return n, err
 		}
-		if fw&flagWord(FlagNext) == 0 {
+		if fw&flagWord(flagNext) == 0 {
 			return n + 1, nil
 		}
 		off = next
@@ -397,17 +397,17 @@ func (r *Region) FreeChain(head uint32) (n int, err error) {
 	return n, fmt.Errorf("buffer: free chain from %d: longer than the region's %d slices: %w", head, r.total, ErrCorrupt)
 }
 
-// A SliceHeader is a snapshot of a slice header (PROTOCOL.md section 2.3).
-type SliceHeader struct {
+// A sliceHeader is a snapshot of a slice header (PROTOCOL.md section 2.3).
+type sliceHeader struct {
 	// Offset is the absolute offset in bytes of the header from the start
 	// of the mapping.
 	Offset uint32
 
-	// Cap is the data capacity in bytes; Slice checked that it equals the
+	// Cap is the data capacity in bytes; slice checked that it equals the
 	// slice size of the slice's list.
 	Cap uint32
 
-	// Size is the valid bytes in the data, from Start; Slice checked that
+	// Size is the valid bytes in the data, from Start; slice checked that
 	// Start+Size <= Cap.
 	Size uint32
 
@@ -415,23 +415,23 @@ type SliceHeader struct {
 	Start uint32
 
 	// Next is the raw next field: area-relative on a free list, absolute in
-	// a chain, meaningful only with FlagNext. It is not checked.
+	// a chain, meaningful only with flagNext. It is not checked.
 	Next uint32
 
-	// Flags is the flags byte, FlagNext | FlagAllocated.
+	// Flags is the flags byte, flagNext | flagAllocated.
 	Flags uint8
 }
 
-// Slice returns a snapshot of the header of the slice at absolute offset
+// slice returns a snapshot of the header of the slice at absolute offset
 // off, each field read once. It returns an error wrapping ErrCorrupt when
 // off is not a slice header, the cap field differs from the list's slice
 // size, or start+size exceeds the cap.
-func (r *Region) Slice(off uint32) (SliceHeader, error) {
+func (r *Region) slice(off uint32) (sliceHeader, error) {
 	l, ok := r.locate(off)
 	if !ok {
-		return SliceHeader{}, badOffset("slice", off)
+		return sliceHeader{}, badOffset("slice", off)
 	}
-	h := SliceHeader{
+	h := sliceHeader{
 		Offset: off,
 		Cap:    load32(r.base, off+sliceOffCap),
 		Size:   load32(r.base, off+sliceOffSize),
@@ -440,10 +440,10 @@ func (r *Region) Slice(off uint32) (SliceHeader, error) {
 		Flags:  wordFlags(load32(r.base, off+sliceOffFlags)),
 	}
 	if h.Cap != l.dataSize {
-		return SliceHeader{}, fmt.Errorf("buffer: slice at %d: cap %d, its list's slices have %d: %w", off, h.Cap, l.dataSize, ErrCorrupt)
+		return sliceHeader{}, fmt.Errorf("buffer: slice at %d: cap %d, its list's slices have %d: %w", off, h.Cap, l.dataSize, ErrCorrupt)
 	}
 	if h.Start > h.Cap || h.Size > h.Cap-h.Start {
-		return SliceHeader{}, fmt.Errorf("buffer: slice at %d: start %d + size %d past cap %d: %w", off, h.Start, h.Size, h.Cap, ErrCorrupt)
+		return sliceHeader{}, fmt.Errorf("buffer: slice at %d: start %d + size %d past cap %d: %w", off, h.Start, h.Size, h.Cap, ErrCorrupt)
 	}
 	return h, nil
 }
@@ -472,12 +472,12 @@ func (r *Region) SliceSize(off uint32) int {
 	return int(l.dataSize)
 }
 
-// Data returns the whole data area of the slice at absolute offset off:
+// dataAt returns the whole data area of the slice at absolute offset off:
 // its list's slice size in bytes, in shared memory, with len == cap. The
 // bytes are the caller's to write while it owns the slice (from Alloc until
 // it publishes or frees it). It returns an error wrapping ErrCorrupt when
 // off is not a slice header; the header itself is not read.
-func (r *Region) Data(off uint32) ([]byte, error) {
+func (r *Region) dataAt(off uint32) ([]byte, error) {
 	l, ok := r.locate(off)
 	if !ok {
 		return nil, badOffset("data", off)
@@ -487,14 +487,14 @@ func (r *Region) Data(off uint32) ([]byte, error) {
 
 // data returns the data area of the slice at off of list l.
 func (r *Region) data(l *list, off uint32) []byte {
-	d := off + SliceHeaderSize
+	d := off + sliceHeaderSize
 	return r.mem[d : d+l.dataSize : d+l.dataSize]
 }
 
 // Payload returns the valid bytes of the slice at absolute offset off,
-// data[start:start+size], and its chain link: when FlagNext is set, hasNext
-// is true and next is the absolute offset of the next slice, checked to be
-// a slice header. p points into shared memory; it stays valid until the
+// data[start:start+size], and its chain link: when its next flag is set,
+// hasNext is true and next is the absolute offset of the next slice,
+// checked to be a slice header. p points into shared memory; it stays valid until the
 // slice is freed, and a misbehaving peer may change it meanwhile, so the
 // caller copies or parses it defensively.
 //
@@ -517,7 +517,7 @@ func (r *Region) Payload(off uint32) (p []byte, next uint32, hasNext bool, err e
 		return nil, 0, false, fmt.Errorf("buffer: payload of slice at %d: start %d + size %d past cap %d: %w",
 			off, start, size, c, ErrCorrupt)
 	}
-	if load32(r.base, off+sliceOffFlags)&flagWord(FlagNext) != 0 {
+	if load32(r.base, off+sliceOffFlags)&flagWord(flagNext) != 0 {
 		next = load32(r.base, off+sliceOffNext)
 		if _, ok := r.locate(next); !ok || next == off {
 			return nil, 0, false, fmt.Errorf("buffer: payload of slice at %d: next %d is not a slice header: %w",
@@ -525,7 +525,7 @@ func (r *Region) Payload(off uint32) (p []byte, next uint32, hasNext bool, err e
 		}
 		hasNext = true
 	}
-	d := off + SliceHeaderSize + start
+	d := off + sliceHeaderSize + start
 	return r.mem[d : d+size : d+size], next, hasNext, nil
 }
 
@@ -547,12 +547,12 @@ func (r *Region) SetPayload(off uint32, size uint32) error {
 	return nil
 }
 
-// Link makes next, an absolute offset, the successor of the slice at
+// linkChecked makes next, an absolute offset, the successor of the slice at
 // absolute offset off in a chain: it sets off's next field and its flags to
-// FlagNext|FlagAllocated (PROTOCOL.md section 2.3). The caller owns off.
+// flagNext|flagAllocated (PROTOCOL.md section 2.3). The caller owns off.
 // It returns an error wrapping ErrCorrupt when off or next is not a slice
 // header or they are equal.
-func (r *Region) Link(off, next uint32) error {
+func (r *Region) linkChecked(off, next uint32) error {
 	if _, ok := r.locate(off); !ok {
 		return badOffset("link", off)
 	}
@@ -566,5 +566,5 @@ func (r *Region) Link(off, next uint32) error {
 // link sets the chain link of the slice at off; both offsets are checked.
 func (r *Region) link(off, next uint32) {
 	atomic.StoreUint32(u32(r.base, off+sliceOffNext), next)
-	atomic.StoreUint32(u32(r.base, off+sliceOffFlags), flagWord(FlagNext|FlagAllocated))
+	atomic.StoreUint32(u32(r.base, off+sliceOffFlags), flagWord(flagNext|flagAllocated))
 }

@@ -31,15 +31,15 @@ func put32(mem []byte, off uint32, v uint32) { binary.NativeEndian.PutUint32(mem
 
 // sliceOff returns the absolute offset of slice i of list l.
 func sliceOff(l ListInfo, i uint32) uint32 {
-	return l.Offset + ListHeaderSize + i*(l.SliceSize+SliceHeaderSize)
+	return l.Offset + listHeaderSize + i*(l.SliceSize+sliceHeaderSize)
 }
 
 func TestFormatBadConfig(t *testing.T) {
-	many := make([]SizeClass, MaxLists+1)
+	many := make([]SizeClass, maxLists+1)
 	for i := range many {
 		many[i] = SizeClass{SliceSize: uint32(4 * (i + 1)), Percent: 1}
 	}
-	many[0].Percent = 100 - MaxLists
+	many[0].Percent = 100 - maxLists
 	for _, tc := range []struct {
 		name    string
 		size    int
@@ -84,7 +84,7 @@ func TestFormatSmall(t *testing.T) {
 		require.Equal(t, want, got[i].Cap, "list %d", i)
 	}
 	// A minimal region: one list of two slices.
-	_, err := Format(make([]byte, RegionHeaderSize+ListHeaderSize+2*24), []SizeClass{{4, 100}})
+	_, err := Format(make([]byte, regionHeaderSize+listHeaderSize+2*24), []SizeClass{{4, 100}})
 	require.NoError(t, err)
 }
 
@@ -111,7 +111,7 @@ func TestAttachGarbage(t *testing.T) {
 			return m
 		}},
 		{"no lists", func() []byte { m := valid(); m[0], m[1] = 0, 0; return m }},
-		{"too many lists", func() []byte { m := valid(); m[0], m[1] = MaxLists+1, 0; return m }},
+		{"too many lists", func() []byte { m := valid(); m[0], m[1] = maxLists+1, 0; return m }},
 		{"more lists than written", func() []byte { m := valid(); m[0] = 4; return m }},
 		{"fewer lists than used", func() []byte { m := valid(); m[0] = 2; return m }},
 		{"used past mapping", func() []byte { m := valid(); put32(m, 4, smallSize); return m }},
@@ -128,11 +128,11 @@ func TestAttachGarbage(t *testing.T) {
 			m := valid()
 			// One list of 100 slices of 508 then one of 124: same
 			// bytes, wrong order.
-			put32(m, 4, 2*ListHeaderSize+100*528+100*144)
+			put32(m, 4, 2*listHeaderSize+100*528+100*144)
 			m[0] = 2
 			put32(m, 8+listOffCap, 100)
 			put32(m, 8+listOffSliceSize, 508)
-			second := uint32(8 + ListHeaderSize + 100*528)
+			second := uint32(8 + listHeaderSize + 100*528)
 			put32(m, second+listOffCap, 100)
 			put32(m, second+listOffSliceSize, 124)
 			return m
@@ -173,15 +173,15 @@ func TestAllocFree(t *testing.T) {
 		off, err := r.Alloc(tc.size)
 		require.NoError(t, err, "size %d", tc.size)
 		l := lists[tc.list]
-		stride := l.SliceSize + SliceHeaderSize
-		require.GreaterOrEqual(t, off, l.Offset+ListHeaderSize, "size %d", tc.size)
-		require.Less(t, off, l.Offset+ListHeaderSize+l.Cap*stride, "size %d", tc.size)
-		require.Zero(t, (off-l.Offset-ListHeaderSize)%stride)
+		stride := l.SliceSize + sliceHeaderSize
+		require.GreaterOrEqual(t, off, l.Offset+listHeaderSize, "size %d", tc.size)
+		require.Less(t, off, l.Offset+listHeaderSize+l.Cap*stride, "size %d", tc.size)
+		require.Zero(t, (off-l.Offset-listHeaderSize)%stride)
 
-		h, err := r.Slice(off)
+		h, err := r.slice(off)
 		require.NoError(t, err)
-		require.Equal(t, SliceHeader{Offset: off, Cap: l.SliceSize, Next: h.Next, Flags: FlagAllocated}, h)
-		d, err := r.Data(off)
+		require.Equal(t, sliceHeader{Offset: off, Cap: l.SliceSize, Next: h.Next, Flags: flagAllocated}, h)
+		d, err := r.dataAt(off)
 		require.NoError(t, err)
 		require.Len(t, d, int(l.SliceSize))
 		require.Equal(t, len(d), cap(d))
@@ -199,10 +199,10 @@ func TestAllocFree(t *testing.T) {
 		require.NoError(t, r.Free(off))
 		require.Equal(t, []int{0, 0, 0}, r.InUse())
 		// The freed slice is the new tail, with clean fields.
-		require.Equal(t, off-l.Offset-ListHeaderSize, get32(mem, l.Offset+listOffTail))
-		h, err = r.Slice(off)
+		require.Equal(t, off-l.Offset-listHeaderSize, get32(mem, l.Offset+listOffTail))
+		h, err = r.slice(off)
 		require.NoError(t, err)
-		require.Equal(t, SliceHeader{Offset: off, Cap: l.SliceSize, Next: h.Next}, h)
+		require.Equal(t, sliceHeader{Offset: off, Cap: l.SliceSize, Next: h.Next}, h)
 	}
 }
 
@@ -320,13 +320,13 @@ func TestConcurrentAllocFree(t *testing.T) {
 					errs <- errors.New("slice handed out twice")
 					return
 				}
-				d, _ := r.Data(off)
+				d, _ := r.dataAt(off)
 				binary.NativeEndian.PutUint32(d, uint32(id))
 				held = append(held, off)
 				if len(held) > (i+g)%4 {
 					off := held[0]
 					held = held[1:]
-					d, _ := r.Data(off)
+					d, _ := r.dataAt(off)
 					if binary.NativeEndian.Uint32(d) != uint32(id) {
 						errs <- errors.New("slice data overwritten by another holder")
 						return
@@ -360,7 +360,7 @@ func TestConcurrentAllocFree(t *testing.T) {
 		for range l.Cap - 1 {
 			off, err := r.Alloc(int(l.SliceSize))
 			require.NoError(t, err)
-			k := (off - l.Offset - ListHeaderSize) / (l.SliceSize + SliceHeaderSize)
+			k := (off - l.Offset - listHeaderSize) / (l.SliceSize + sliceHeaderSize)
 			require.Less(t, k, l.Cap)
 			require.False(t, seen[k])
 			seen[k] = true
@@ -395,7 +395,7 @@ func TestCorruptOffsets(t *testing.T) {
 		{"inside list header", l0.Offset + 20},
 		{"misaligned", good + 1},
 		{"inside slice header", good + 4},
-		{"data", good + SliceHeaderSize},
+		{"data", good + sliceHeaderSize},
 		{"last data byte", sliceOff(l0, 1) - 1},
 		{"second list header", lists[1].Offset},
 		{"end of lists", end},
@@ -405,15 +405,15 @@ func TestCorruptOffsets(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			require.ErrorIs(t, r.Free(tc.off), ErrCorrupt)
-			_, err := r.Slice(tc.off)
+			_, err := r.slice(tc.off)
 			require.ErrorIs(t, err, ErrCorrupt)
-			_, err = r.Data(tc.off)
+			_, err = r.dataAt(tc.off)
 			require.ErrorIs(t, err, ErrCorrupt)
 			_, _, _, err = r.Payload(tc.off)
 			require.ErrorIs(t, err, ErrCorrupt)
 			require.ErrorIs(t, r.SetPayload(tc.off, 0), ErrCorrupt)
-			require.ErrorIs(t, r.Link(tc.off, good), ErrCorrupt)
-			require.ErrorIs(t, r.Link(good, tc.off), ErrCorrupt)
+			require.ErrorIs(t, r.linkChecked(tc.off, good), ErrCorrupt)
+			require.ErrorIs(t, r.linkChecked(good, tc.off), ErrCorrupt)
 			n, err := r.FreeChain(tc.off)
 			require.ErrorIs(t, err, ErrCorrupt)
 			require.Zero(t, n)
@@ -424,7 +424,7 @@ func TestCorruptOffsets(t *testing.T) {
 		})
 	}
 	require.Equal(t, []int{1, 0, 0}, r.InUse(), "nothing freed")
-	require.ErrorIs(t, r.Link(good, good), ErrCorrupt, "self link")
+	require.ErrorIs(t, r.linkChecked(good, good), ErrCorrupt, "self link")
 	require.ErrorIs(t, r.SetPayload(good, l0.SliceSize+1), ErrTooLarge)
 	require.NoError(t, r.SetPayload(good, l0.SliceSize))
 	require.NoError(t, r.Free(good))
@@ -456,15 +456,15 @@ func TestCorruptSlice(t *testing.T) {
 		}, true, true, true},
 		{"next out of range", func(m []byte, off, _ uint32) {
 			put32(m, off+sliceOffNext, 1<<31)
-			put32(m, off+sliceOffFlags, flagWord(FlagNext|FlagAllocated))
+			put32(m, off+sliceOffFlags, flagWord(flagNext|flagAllocated))
 		}, true, true, false},
 		{"next misaligned", func(m []byte, off, _ uint32) {
-			put32(m, off+sliceOffNext, off+SliceHeaderSize+124+1)
-			put32(m, off+sliceOffFlags, flagWord(FlagNext|FlagAllocated))
+			put32(m, off+sliceOffNext, off+sliceHeaderSize+124+1)
+			put32(m, off+sliceOffFlags, flagWord(flagNext|flagAllocated))
 		}, true, true, false},
 		{"next to itself", func(m []byte, off, _ uint32) {
 			put32(m, off+sliceOffNext, off)
-			put32(m, off+sliceOffFlags, flagWord(FlagNext|FlagAllocated))
+			put32(m, off+sliceOffFlags, flagWord(flagNext|flagAllocated))
 		}, true, true, false},
 		{"next without flag is ignored", func(m []byte, off, _ uint32) {
 			put32(m, off+sliceOffNext, 1<<31)
@@ -473,7 +473,7 @@ func TestCorruptSlice(t *testing.T) {
 			put32(m, off+sliceOffFlags, 0)
 		}, false, false, false},
 		{"unused flag bytes set", func(m []byte, off, _ uint32) {
-			put32(m, off+sliceOffFlags, flagWord(FlagAllocated)|^flagWord(0xff))
+			put32(m, off+sliceOffFlags, flagWord(flagAllocated)|^flagWord(0xff))
 		}, true, false, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -484,7 +484,7 @@ func TestCorruptSlice(t *testing.T) {
 			tc.damage(mem, off, 124)
 
 			_, _, _, err = r.Payload(off)
-			_, serr := r.Slice(off)
+			_, serr := r.slice(off)
 			var c ChainReader
 			require.NoError(t, c.Reset(r, off))
 			_, _, nerr := c.Next()
@@ -525,18 +525,18 @@ func TestCorruptList(t *testing.T) {
 	}{
 		{"head out of range", func(m []byte, l ListInfo) { put32(m, l.Offset+listOffHead, 1<<31) }, ErrCorrupt, nil, true},
 		{"head at area end", func(m []byte, l ListInfo) {
-			put32(m, l.Offset+listOffHead, l.Cap*(l.SliceSize+SliceHeaderSize))
+			put32(m, l.Offset+listOffHead, l.Cap*(l.SliceSize+sliceHeaderSize))
 		}, ErrCorrupt, nil, true},
 		{"head misaligned", func(m []byte, l ListInfo) { put32(m, l.Offset+listOffHead, 4) }, ErrCorrupt, nil, true},
 		{"head next out of range", func(m []byte, l ListInfo) {
-			put32(m, get32(m, l.Offset+listOffHead)+l.Offset+ListHeaderSize+sliceOffNext, 1<<31)
+			put32(m, get32(m, l.Offset+listOffHead)+l.Offset+listHeaderSize+sliceOffNext, 1<<31)
 		}, ErrCorrupt, nil, true},
 		{"head next to itself", func(m []byte, l ListInfo) {
 			h := get32(m, l.Offset+listOffHead)
-			put32(m, h+l.Offset+ListHeaderSize+sliceOffNext, h)
+			put32(m, h+l.Offset+listHeaderSize+sliceOffNext, h)
 		}, ErrCorrupt, nil, true},
 		{"head without next", func(m []byte, l ListInfo) {
-			put32(m, get32(m, l.Offset+listOffHead)+l.Offset+ListHeaderSize+sliceOffFlags, 0)
+			put32(m, get32(m, l.Offset+listOffHead)+l.Offset+listHeaderSize+sliceOffFlags, 0)
 		}, ErrNoSpace, nil, true},
 		{"free count huge", func(m []byte, l ListInfo) {
 			// Every slice allocated, yet the count claims plenty.
@@ -594,8 +594,8 @@ func TestCorruptChain(t *testing.T) {
 		r, _ := testRegion(t, smallSize, smallClasses)
 		a, _ := r.Alloc(1)
 		b, _ := r.Alloc(1)
-		require.NoError(t, r.Link(a, b))
-		require.NoError(t, r.Link(b, a))
+		require.NoError(t, r.linkChecked(a, b))
+		require.NoError(t, r.linkChecked(b, a))
 		require.NoError(t, r.SetPayload(a, 1))
 		require.NoError(t, r.SetPayload(b, 2))
 
@@ -613,7 +613,7 @@ func TestCorruptChain(t *testing.T) {
 		require.ErrorIs(t, err, io.EOF, "the walk stays ended")
 
 		require.NoError(t, c.Reset(r, a))
-		k, err := io.Copy(io.Discard, &c)
+		k, err := io.Copy(io.Discard, chainIO{&c})
 		require.ErrorIs(t, err, ErrCorrupt)
 		// The walk visits as many slices as the region has: a (1 byte), b
 		// (2 bytes), a, b, ...
@@ -628,7 +628,7 @@ func TestCorruptChain(t *testing.T) {
 		r, _ := testRegion(t, smallSize, smallClasses)
 		a, _ := r.Alloc(1)
 		b, _ := r.Alloc(1)
-		require.NoError(t, r.Link(a, b))
+		require.NoError(t, r.linkChecked(a, b))
 		require.NoError(t, r.Free(b))
 		n, err := r.FreeChain(a)
 		require.ErrorIs(t, err, ErrCorrupt)
@@ -639,7 +639,7 @@ func TestCorruptChain(t *testing.T) {
 		r, mem := testRegion(t, smallSize, smallClasses)
 		a, _ := r.Alloc(1)
 		put32(mem, a+sliceOffNext, 3)
-		put32(mem, a+sliceOffFlags, flagWord(FlagNext|FlagAllocated))
+		put32(mem, a+sliceOffFlags, flagWord(flagNext|flagAllocated))
 		n, err := r.FreeChain(a)
 		require.ErrorIs(t, err, ErrCorrupt)
 		require.Equal(t, 1, n, "a is freed, the bad link is not followed")
@@ -664,7 +664,7 @@ func TestCorruptChain(t *testing.T) {
 			offs = append(offs, off)
 		}
 		for i := range offs[1:] {
-			require.NoError(t, r.Link(offs[i], offs[i+1]))
+			require.NoError(t, r.linkChecked(offs[i], offs[i+1]))
 		}
 		var c ChainReader
 		require.NoError(t, c.Reset(r, offs[0]))

@@ -53,13 +53,13 @@ func churn(r *Region, iters int, mark uint32) error {
 		if err != nil {
 			return err
 		}
-		d, _ := r.Data(off)
+		d, _ := r.dataAt(off)
 		binary.NativeEndian.PutUint32(d, mark)
 		held = append(held, off)
 		if len(held) > i%5 {
 			off := held[0]
 			held = held[1:]
-			if d, _ := r.Data(off); binary.NativeEndian.Uint32(d) != mark {
+			if d, _ := r.dataAt(off); binary.NativeEndian.Uint32(d) != mark {
 				return fmt.Errorf("slice %d: mark %#x, want %#x: handed out twice", off, binary.NativeEndian.Uint32(d), mark)
 			}
 			if err := r.Free(off); err != nil {
@@ -109,7 +109,7 @@ func runPeer(iters int) error {
 				errs <- err
 				return
 			}
-			if _, err := io.ReadFull(&c, buf[:m.Size]); err != nil {
+			if _, err := io.ReadFull(chainIO{&c}, buf[:m.Size]); err != nil {
 				errs <- err
 				return
 			}

@@ -89,7 +89,7 @@ func FuzzRing(f *testing.F) {
 				case 3: // so is the flag's effect on Put and Pop
 					binary.NativeEndian.PutUint32(mem[offWorking:], uint32(v))
 				case 4: // an event slot: only the events themselves change
-					slot := int(uint64(v)%uint64(cap)) * EventSize
+					slot := int(uint64(v)%uint64(cap)) * eventSize
 					binary.NativeEndian.PutUint32(mem[offEvents+slot:], uint32(v))
 					corrupt = true
 				}
@@ -100,7 +100,7 @@ func FuzzRing(f *testing.F) {
 				r.ClearWorking()
 				require.False(t, r.Working())
 			}
-			n := r.Len()
+			n := r.len()
 			require.True(t, n >= 0 && n <= int(cap), "Len %d", n)
 			if !corrupt {
 				require.Equal(t, len(model), n)

@@ -4,12 +4,12 @@ import "fmt"
 
 // Sizes and bounds of the IO queue (PROTOCOL.md section 3).
 const (
-	// HeaderSize is the size in bytes of the header at the start of each
+	// headerSize is the size in bytes of the header at the start of each
 	// half of the queue (PROTOCOL.md section 3.1).
-	HeaderSize = offEvents
+	headerSize = offEvents
 
-	// EventSize is the size in bytes of one event (PROTOCOL.md section 3.2).
-	EventSize = eventOffStatus + 4
+	// eventSize is the size in bytes of one event (PROTOCOL.md section 3.2).
+	eventSize = eventOffStatus + 4
 
 	// DefaultCap is the number of events per half that the existing peers
 	// use; it makes a queue of Size(DefaultCap) = 196656 bytes.
@@ -45,7 +45,7 @@ const cacheLine = 64
 // counterAlign, the alignment in bytes the 64-bit counters need.
 
 // Size returns the size in bytes of a whole queue file of cap events per
-// half: two halves of HeaderSize + EventSize*cap bytes (PROTOCOL.md
+// half: two halves of a 24-byte header and 12 bytes per event (PROTOCOL.md
 // section 3). For cap > MaxCap the result is not a usable size.
 func Size(cap uint32) int {
 	return 2 * halfSize(cap)
@@ -53,7 +53,7 @@ func Size(cap uint32) int {
 
 // halfSize returns the size in bytes of one half, header included.
 func halfSize(cap uint32) int {
-	return HeaderSize + EventSize*int(cap)
+	return headerSize + eventSize*int(cap)
 }
 
 // checkPlacement returns an error wrapping ErrBadConfig when the counters

@@ -7,7 +7,7 @@ package queue
 //	+4  head         i64  consumer count, monotonic; only 4-byte aligned
 //	+12 tail         i64  producer count, monotonic; only 4-byte aligned
 //	+20 working flag u32  1 while the receiver is draining (section 3.3)
-//	+24 events       EventSize*cap bytes
+//	+24 events       eventSize*cap bytes
 //
 // x86 atomics accept the 4-byte aligned counters as long as they do not
 // straddle a cache line; FormatPair and AttachPair reject caps for which

@@ -9,7 +9,7 @@ package queue
 //	+4  working flag u32  1 while the receiver is draining (section 3.3)
 //	+8  head         i64  consumer count, monotonic
 //	+16 tail         i64  producer count, monotonic
-//	+24 events       EventSize*cap bytes
+//	+24 events       eventSize*cap bytes
 //
 // 64-bit atomics need 8-byte alignment outside amd64, so FormatPair and
 // AttachPair reject an odd cap, which would misalign the second half.

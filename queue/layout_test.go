@@ -41,8 +41,8 @@ func TestLayout(t *testing.T) {
 	got := offsets{cap: offCap, head: offHead, tail: offTail, working: offWorking, events: offEvents}
 	require.Equal(t, want[legacyLayout], got)
 
-	require.Equal(t, 24, HeaderSize)
-	require.Equal(t, 12, EventSize)
+	require.Equal(t, 24, headerSize)
+	require.Equal(t, 12, eventSize)
 	require.Equal(t, [3]int{0, 4, 8}, [3]int{eventOffStreamID, eventOffOffset, eventOffStatus})
 }
 
@@ -179,7 +179,7 @@ func TestAttachPairErrors(t *testing.T) {
 		isErr error
 	}{
 		{"empty", func() []byte { return nil }, ErrCorrupt},
-		{"shorter than a header", func() []byte { return formatted()[:HeaderSize-1] }, ErrCorrupt},
+		{"shorter than a header", func() []byte { return formatted()[:headerSize-1] }, ErrCorrupt},
 		{"cap 0", func() []byte {
 			m := formatted()
 			binary.NativeEndian.PutUint32(m[offCap:], 0)

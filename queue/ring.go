@@ -27,14 +27,14 @@ type Event struct {
 // Ring is one half of the IO queue: the events of one direction. A Ring
 // is safe for one producer (Put) and one consumer (Pop) at a time, which may
 // be in different processes; callers serialize producers among themselves
-// and consumers among themselves. The working-flag methods and Len may be
+// and consumers among themselves. The working-flag methods and Empty may be
 // called from anywhere.
 type Ring struct {
 	cap     uint32         // events, cached: never re-read from shared memory
 	head    *atomic.Int64  // consumer count, in shared memory
 	tail    *atomic.Int64  // producer count, in shared memory
 	working *atomic.Uint32 // working flag, in shared memory
-	events  []byte         // EventSize*cap bytes of shared memory
+	events  []byte         // eventSize*cap bytes of shared memory
 }
 
 // FormatPair initializes a new queue of cap events per half in mem, which
@@ -85,7 +85,7 @@ func FormatPair(mem []byte, cap uint32) (first, second *Ring, err error) {
 // or the cap is one this architecture cannot use (see FormatPair).
 // The counters are not checked here; Put and Pop check them on every call.
 func AttachPair(mem []byte) (first, second *Ring, err error) {
-	if len(mem) < HeaderSize {
+	if len(mem) < headerSize {
 		return nil, nil, fmt.Errorf("%w: %d bytes is shorter than a queue header", ErrCorrupt, len(mem))
 	}
 	cap := binary.NativeEndian.Uint32(mem[offCap:])
@@ -128,7 +128,7 @@ func newRing(mem []byte, cap uint32) *Ring {
 		head:    (*atomic.Int64)(unsafe.Pointer(&mem[offHead])),
 		tail:    (*atomic.Int64)(unsafe.Pointer(&mem[offTail])),
 		working: (*atomic.Uint32)(unsafe.Pointer(&mem[offWorking])),
-		events:  mem[offEvents : offEvents+EventSize*int(cap)],
+		events:  mem[offEvents : offEvents+eventSize*int(cap)],
 	}
 }
 
@@ -163,8 +163,8 @@ func (r *Ring) Put(e Event) error {
 	if tail-head == int64(r.cap) {
 		return ErrFull
 	}
-	i := int(uint64(tail)%uint64(r.cap)) * EventSize
-	b := r.events[i : i+EventSize]
+	i := int(uint64(tail)%uint64(r.cap)) * eventSize
+	b := r.events[i : i+eventSize]
 	binary.NativeEndian.PutUint32(b[eventOffStreamID:], e.StreamID)
 	binary.NativeEndian.PutUint32(b[eventOffOffset:], e.Offset)
 	binary.NativeEndian.PutUint32(b[eventOffStatus:], e.Status)
@@ -189,8 +189,8 @@ func (r *Ring) Pop() (e Event, ok bool, err error) {
 	if head == tail {
 		return Event{}, false, nil
 	}
-	i := int(uint64(head)%uint64(r.cap)) * EventSize
-	b := r.events[i : i+EventSize]
+	i := int(uint64(head)%uint64(r.cap)) * eventSize
+	b := r.events[i : i+eventSize]
 	e = Event{
 		StreamID: binary.NativeEndian.Uint32(b[eventOffStreamID:]),
 		Offset:   binary.NativeEndian.Uint32(b[eventOffOffset:]),
@@ -200,11 +200,11 @@ func (r *Ring) Pop() (e Event, ok bool, err error) {
 	return e, true, nil
 }
 
-// Len returns the number of events in the ring, tail - head clamped to
+// len returns the number of events in the ring, tail - head clamped to
 // 0..cap, for statistics (PROTOCOL.md section 3.3). It is a snapshot that
 // may be stale at once, and it never fails: corrupt counters show up in
 // Put and Pop.
-func (r *Ring) Len() int {
+func (r *Ring) len() int {
 	head, tail := r.head.Load(), r.tail.Load()
 	return int(min(max(tail-head, 0), int64(r.cap)))
 }

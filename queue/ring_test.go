@@ -44,9 +44,9 @@ func TestPutPopFIFOWraparound(t *testing.T) {
 				require.NoError(t, r.Put(Event{StreamID: next, Offset: next * 3, Status: next % 2}))
 				next++
 			}
-			require.Equal(t, n, r.Len())
+			require.Equal(t, n, r.len())
 			// The event of the last Put sits at (tail-1)%cap, in wire order.
-			i := offEvents + int((next-1)%cap)*EventSize
+			i := offEvents + int((next-1)%cap)*eventSize
 			require.Equal(t, []uint32{next - 1, (next - 1) * 3, (next - 1) % 2}, []uint32{
 				binary.NativeEndian.Uint32(mem[i:]),
 				binary.NativeEndian.Uint32(mem[i+4:]),
@@ -78,9 +78,9 @@ func TestFullEmpty(t *testing.T) {
 			require.NoError(t, r.Put(Event{StreamID: i}))
 			require.False(t, r.Empty())
 		}
-		require.Equal(t, int(cap), r.Len())
+		require.Equal(t, int(cap), r.len())
 		require.ErrorIs(t, r.Put(Event{StreamID: 99}), ErrFull)
-		require.Equal(t, int(cap), r.Len())
+		require.Equal(t, int(cap), r.len())
 		require.True(t, other.Empty(), "the halves are independent")
 
 		e, ok, err = r.Pop()
@@ -127,8 +127,8 @@ func TestCorruptCounters(t *testing.T) {
 			require.ErrorIs(t, err, ErrCorrupt)
 			require.False(t, ok)
 			require.False(t, errors.Is(err, ErrFull))
-			require.GreaterOrEqual(t, r.Len(), 0)
-			require.LessOrEqual(t, r.Len(), cap)
+			require.GreaterOrEqual(t, r.len(), 0)
+			require.LessOrEqual(t, r.len(), cap)
 			r.Empty()
 			// Counters left untouched.
 			require.Equal(t, uint64(tc.head), binary.NativeEndian.Uint64(mem[offHead:]))
@@ -416,7 +416,7 @@ func TestWorkingFlagModel(t *testing.T) {
 
 func BenchmarkPutPop(b *testing.B) {
 	_, r, _ := newPair(b, DefaultCap)
-	b.SetBytes(EventSize)
+	b.SetBytes(eventSize)
 	b.ReportAllocs()
 	e := Event{StreamID: 2, Offset: 4096, Status: 0}
 	for b.Loop() {
@@ -433,7 +433,7 @@ func BenchmarkPutPop(b *testing.B) {
 // a send and a receive on a buffered channel of events.
 func BenchmarkChannelBaseline(b *testing.B) {
 	ch := make(chan Event, DefaultCap)
-	b.SetBytes(EventSize)
+	b.SetBytes(eventSize)
 	b.ReportAllocs()
 	e := Event{StreamID: 2, Offset: 4096, Status: 0}
 	for b.Loop() {

@@ -15,13 +15,14 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 )
 
 // fileHandshake plays a client that names meta in a file-path handshake,
 // v3 over a Unix socket or v2 over a pipe, and returns the server's result.
-func fileHandshake(t *testing.T, unixSocket bool, cfg *Config, meta ShmMetadata) error {
+func fileHandshake(t *testing.T, unixSocket bool, cfg *Config, meta wire.ShmMetadata) error {
 	var cc, sc net.Conn
 	if unixSocket {
 		cc, sc = socketPair(t)
@@ -38,13 +39,13 @@ func fileHandshake(t *testing.T, unixSocket bool, cfg *Config, meta ShmMetadata)
 		done <- err
 	}()
 	if unixSocket {
-		_, err := cc.Write(AppendSimple(nil, 3, TypeExchangeProtoVersion))
+		_, err := cc.Write(wire.AppendSimple(nil, 3, wire.TypeExchangeProtoVersion))
 		require.NoError(t, err)
 		readN(t, cc, 8)
-		_, err = cc.Write(AppendShareMemory(nil, 3, TypeShareMemoryByFilePath, meta))
+		_, err = cc.Write(wire.AppendShareMemory(nil, 3, wire.TypeShareMemoryByFilePath, meta))
 		require.NoError(t, err)
 	} else {
-		_, err := cc.Write(AppendShareMemory(nil, 2, TypeShareMemoryByFilePath, meta))
+		_, err := cc.Write(wire.AppendShareMemory(nil, 2, wire.TypeShareMemoryByFilePath, meta))
 		require.NoError(t, err)
 	}
 	return <-done
@@ -191,7 +192,7 @@ func TestServerRefusesPaths(t *testing.T) {
 				t.Run(name, func(t *testing.T) {
 					shared := map[string]bool{"/etc/passwd": true}
 					u := watchUntouched(t, tc.watch, shared)
-					meta := ShmMetadata{BufferPath: tc.path, QueuePath: tc.path}
+					meta := wire.ShmMetadata{BufferPath: tc.path, QueuePath: tc.path}
 					if tc.shmDir == dir {
 						// The other path is fine: the refusal is the bad one's.
 						if second {
@@ -265,10 +266,10 @@ func TestClientSharedMemoryModes(t *testing.T) {
 				done <- result{s, err}
 			}()
 			readN(t, sc, 8) // ExchangeProtoVersion
-			_, err := sc.Write(AppendSimple(nil, 3, TypeExchangeProtoVersion))
+			_, err := sc.Write(wire.AppendSimple(nil, 3, wire.TypeExchangeProtoVersion))
 			require.NoError(t, err)
 			hdr := readN(t, sc, 8)
-			meta, err := ParseShmMetadata(readN(t, sc, int(binary.BigEndian.Uint32(hdr))-8))
+			meta, err := wire.ParseShmMetadata(readN(t, sc, int(binary.BigEndian.Uint32(hdr))-8))
 			require.NoError(t, err)
 
 			// The client now waits for AckReadyRecvFD or AckShareMemory,
@@ -307,7 +308,7 @@ func TestClientSharedMemoryModes(t *testing.T) {
 					require.Equal(t, os.FileMode(0o600), fi.Mode(), p)
 				}
 			} else {
-				_, err = sc.Write(AppendSimple(nil, 3, TypeAckReadyRecvFD))
+				_, err = sc.Write(wire.AppendSimple(nil, 3, wire.TypeAckReadyRecvFD))
 				require.NoError(t, err)
 				fds := make([]int, 0, 2)
 				data, oob := make([]byte, 1), make([]byte, 64)
@@ -328,7 +329,7 @@ func TestClientSharedMemoryModes(t *testing.T) {
 					unix.Close(fd)
 				}
 			}
-			_, err = sc.Write(AppendSimple(nil, 3, TypeAckShareMemory))
+			_, err = sc.Write(wire.AppendSimple(nil, 3, wire.TypeAckShareMemory))
 			require.NoError(t, err)
 			r := <-done
 			require.NoError(t, r.err)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/shmlink/shmlink/queue"
 )
 
@@ -61,6 +62,9 @@ const (
 	// DefaultQueueFullTimeout is how long a writer waits for room in a full
 	// IO queue before its write fails with ErrQueueFull.
 	DefaultQueueFullTimeout = 5 * time.Second
+	// DefaultMaxMessageSize is the largest control message accepted from
+	// the peer, header included: 32 MiB, the Rust crate's read buffer.
+	DefaultMaxMessageSize = wire.DefaultMaxMessageSize
 )
 
 // Config tunes a session. The zero value works: every zero field takes the

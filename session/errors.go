@@ -6,6 +6,8 @@ import (
 	"net"
 	"os"
 	"strings"
+
+	"github.com/shmlink/shmlink/internal/wire"
 )
 
 var (
@@ -36,6 +38,14 @@ var (
 	// ErrStreamIDs is returned by OpenStream when the 32-bit stream id space
 	// of the session is used up.
 	ErrStreamIDs = errors.New("shmlink: stream ids exhausted")
+
+	// ErrProtocol is wrapped by the error a session ends with when the peer
+	// sent a control message that breaks the protocol: a bad header, a
+	// length that does not fit the type, a malformed payload, or a message
+	// the session does not accept in its state (docs/protocol.md section 2).
+	// Handshake errors wrap it too when the peer's handshake message was
+	// malformed or of the wrong type.
+	ErrProtocol = wire.ErrProtocol
 
 	// ErrHandshake is wrapped by every handshake failure.
 	ErrHandshake = errors.New("shmlink: handshake failed")

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/shmlink/shmlink/queue"
 	"github.com/stretchr/testify/require"
 )
@@ -19,9 +20,9 @@ import (
 // hang, and leave nothing open.
 func FuzzServerHandshake(f *testing.F) {
 	f.Add([]byte{0, 0, 0, 8, 0x77, 0x58, 3, 4}, false)
-	f.Add(append([]byte{0, 0, 0, 8, 0x77, 0x58, 3, 4}, AppendShareMemory(nil, 3, TypeShareMemoryByMemfd, ShmMetadata{QueuePath: "q", BufferPath: "b"})...), true)
-	f.Add(AppendShareMemory(nil, 2, TypeShareMemoryByFilePath, ShmMetadata{QueuePath: "/dev/shm/q", BufferPath: "/etc/passwd"}), false)
-	f.Add(append([]byte{0, 0, 0, 8, 0x77, 0x58, 3, 4}, AppendShareMemory(nil, 3, TypeShareMemoryByFilePath, ShmMetadata{QueuePath: "/dev/shm/../q", BufferPath: "/dev/shm/b"})...), true)
+	f.Add(append([]byte{0, 0, 0, 8, 0x77, 0x58, 3, 4}, wire.AppendShareMemory(nil, 3, wire.TypeShareMemoryByMemfd, wire.ShmMetadata{QueuePath: "q", BufferPath: "b"})...), true)
+	f.Add(wire.AppendShareMemory(nil, 2, wire.TypeShareMemoryByFilePath, wire.ShmMetadata{QueuePath: "/dev/shm/q", BufferPath: "/etc/passwd"}), false)
+	f.Add(append([]byte{0, 0, 0, 8, 0x77, 0x58, 3, 4}, wire.AppendShareMemory(nil, 3, wire.TypeShareMemoryByFilePath, wire.ShmMetadata{QueuePath: "/dev/shm/../q", BufferPath: "/dev/shm/b"})...), true)
 	f.Add([]byte{0xff, 0xff, 0xff, 0xff, 0x77, 0x58, 2, 0}, true)
 	f.Add([]byte("GET / HTTP/1.1\r\n\r\n"), false)
 	cfg := &Config{ShmDir: "/dev/shm", HandshakeTimeout: 200 * time.Millisecond}

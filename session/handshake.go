@@ -16,16 +16,13 @@ import (
 
 	"github.com/shmlink/shmlink/buffer"
 	"github.com/shmlink/shmlink/internal/shm"
+	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/shmlink/shmlink/queue"
 )
 
 // maxHandshakeMessage bounds a handshake message: header, two length
 // prefixes and two paths.
-const maxHandshakeMessage = HeaderSize + 2 + MaxPathLen + 2 + MaxPathLen
-
-// ProtocolVersion is the highest shmipc protocol version this package speaks
-// (PROTOCOL.md section 1.4).
-const ProtocolVersion = 3
+const maxHandshakeMessage = wire.HeaderSize + 2 + wire.MaxPathLen + 2 + wire.MaxPathLen
 
 // memory is the shared memory of one session: the buffer region and the IO
 // queue, both mapped, plus the files to remove when the session ends.
@@ -120,7 +117,7 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 	defer conn.SetDeadline(time.Time{})
 
 	name := randomName(cfg.Epoch)
-	meta := ShmMetadata{
+	meta := wire.ShmMetadata{
 		QueuePath:  filepath.Join(cfg.ShmDir, name+"_queue_0"),
 		BufferPath: filepath.Join(cfg.ShmDir, name+"_buffer"),
 	}
@@ -173,39 +170,39 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 	if mt == MemoryFile && !isUnix {
 		// v2: metadata, no reply. The files stay until the server's first
 		// message or event shows it mapped them (Session.forgetNames).
-		if _, err = conn.Write(AppendShareMemory(nil, 2, TypeShareMemoryByFilePath, meta)); err != nil {
+		if _, err = conn.Write(wire.AppendShareMemory(nil, 2, wire.TypeShareMemoryByFilePath, meta)); err != nil {
 			return nil, 0, handshakeError("send metadata", err)
 		}
 		return mem, 2, nil
 	}
 
 	// v3: exchange versions first.
-	if _, err = conn.Write(AppendSimple(nil, ProtocolVersion, TypeExchangeProtoVersion)); err != nil {
+	if _, err = conn.Write(wire.AppendSimple(nil, wire.ProtocolVersion, wire.TypeExchangeProtoVersion)); err != nil {
 		return nil, 0, handshakeError("send version", err)
 	}
-	h, err := readHandshakeHeader(conn, TypeExchangeProtoVersion)
+	h, err := readHandshakeHeader(conn, wire.TypeExchangeProtoVersion)
 	if err != nil {
 		return nil, 0, err
 	}
-	version = min(h.Version, ProtocolVersion)
+	version = min(h.Version, wire.ProtocolVersion)
 	if version < 3 {
 		return nil, 0, handshakeError("version", fmt.Errorf("server speaks version %d; v3 is needed over a Unix socket", h.Version))
 	}
 	if mt == MemoryMemfd {
-		if _, err = conn.Write(AppendShareMemory(nil, version, TypeShareMemoryByMemfd, meta)); err != nil {
+		if _, err = conn.Write(wire.AppendShareMemory(nil, version, wire.TypeShareMemoryByMemfd, meta)); err != nil {
 			return nil, 0, handshakeError("send metadata", err)
 		}
-		if _, err = readHandshakeHeader(conn, TypeAckReadyRecvFD); err != nil {
+		if _, err = readHandshakeHeader(conn, wire.TypeAckReadyRecvFD); err != nil {
 			return nil, 0, err
 		}
 		// Exactly two descriptors, buffer first (1.4 step 5).
 		if err = shm.SendFds(uc, int(bufFile.Fd()), int(queueFile.Fd())); err != nil {
 			return nil, 0, handshakeError("send fds", err)
 		}
-	} else if _, err = conn.Write(AppendShareMemory(nil, version, TypeShareMemoryByFilePath, meta)); err != nil {
+	} else if _, err = conn.Write(wire.AppendShareMemory(nil, version, wire.TypeShareMemoryByFilePath, meta)); err != nil {
 		return nil, 0, handshakeError("send metadata", err)
 	}
-	if _, err = readHandshakeHeader(conn, TypeAckShareMemory); err != nil {
+	if _, err = readHandshakeHeader(conn, wire.TypeAckShareMemory); err != nil {
 		return nil, 0, err
 	}
 	// The server has mapped both: the names are no longer needed.
@@ -217,17 +214,17 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 }
 
 // readHandshakeHeader reads one header-only handshake message of type want.
-func readHandshakeHeader(conn net.Conn, want MsgType) (Header, error) {
-	var b [HeaderSize]byte
+func readHandshakeHeader(conn net.Conn, want wire.MsgType) (wire.Header, error) {
+	var b [wire.HeaderSize]byte
 	if _, err := io.ReadFull(conn, b[:]); err != nil {
-		return Header{}, handshakeError("read "+want.String(), err)
+		return wire.Header{}, handshakeError("read "+want.String(), err)
 	}
-	h, err := ParseHeader(b[:], HeaderSize)
+	h, err := wire.ParseHeader(b[:], wire.HeaderSize)
 	if err != nil {
-		return Header{}, handshakeError("read "+want.String(), err)
+		return wire.Header{}, handshakeError("read "+want.String(), err)
 	}
 	if h.Type != want {
-		return Header{}, handshakeError("read "+want.String(), fmt.Errorf("%w: got %v", ErrProtocol, h.Type))
+		return wire.Header{}, handshakeError("read "+want.String(), fmt.Errorf("%w: got %v", ErrProtocol, h.Type))
 	}
 	return h, nil
 }
@@ -251,32 +248,32 @@ func serverHandshake(conn net.Conn, cfg *Config) (mem *memory, version uint8, er
 	if err != nil {
 		return nil, 0, err
 	}
-	var meta ShmMetadata
+	var meta wire.ShmMetadata
 	switch {
-	case h.Version == 2 && h.Type == TypeShareMemoryByFilePath:
-		if meta, err = ParseShmMetadata(payload); err != nil {
+	case h.Version == 2 && h.Type == wire.TypeShareMemoryByFilePath:
+		if meta, err = wire.ParseShmMetadata(payload); err != nil {
 			return nil, 0, handshakeError("metadata", err)
 		}
 		mem, err = mapFiles(meta, cfg, peerUID)
 		return mem, 2, err
-	case h.Version >= 3 && h.Type == TypeExchangeProtoVersion:
-		version = min(h.Version, ProtocolVersion)
+	case h.Version >= 3 && h.Type == wire.TypeExchangeProtoVersion:
+		version = min(h.Version, wire.ProtocolVersion)
 	default:
 		return nil, 0, handshakeError("first message", fmt.Errorf("%w: %v version %d", ErrProtocol, h.Type, h.Version))
 	}
-	if _, err = conn.Write(AppendSimple(nil, ProtocolVersion, TypeExchangeProtoVersion)); err != nil {
+	if _, err = conn.Write(wire.AppendSimple(nil, wire.ProtocolVersion, wire.TypeExchangeProtoVersion)); err != nil {
 		return nil, 0, handshakeError("send version", err)
 	}
 	if h, payload, err = readHandshakeMessage(conn); err != nil {
 		return nil, 0, err
 	}
-	if h.Type != TypeShareMemoryByMemfd && h.Type != TypeShareMemoryByFilePath {
+	if h.Type != wire.TypeShareMemoryByMemfd && h.Type != wire.TypeShareMemoryByFilePath {
 		return nil, 0, handshakeError("metadata", fmt.Errorf("%w: got %v", ErrProtocol, h.Type))
 	}
-	if meta, err = ParseShmMetadata(payload); err != nil {
+	if meta, err = wire.ParseShmMetadata(payload); err != nil {
 		return nil, 0, handshakeError("metadata", err)
 	}
-	if h.Type == TypeShareMemoryByFilePath {
+	if h.Type == wire.TypeShareMemoryByFilePath {
 		mem, err = mapFiles(meta, cfg, peerUID)
 	} else {
 		mem, err = recvMemfds(conn, version)
@@ -284,7 +281,7 @@ func serverHandshake(conn net.Conn, cfg *Config) (mem *memory, version uint8, er
 	if err != nil {
 		return nil, 0, err
 	}
-	if _, err = conn.Write(AppendSimple(nil, version, TypeAckShareMemory)); err != nil {
+	if _, err = conn.Write(wire.AppendSimple(nil, version, wire.TypeAckShareMemory)); err != nil {
 		mem.release()
 		return nil, 0, handshakeError("send ack", err)
 	}
@@ -293,18 +290,18 @@ func serverHandshake(conn net.Conn, cfg *Config) (mem *memory, version uint8, er
 
 // readHandshakeMessage reads one whole handshake message, bounded by
 // maxHandshakeMessage, and returns its header and payload.
-func readHandshakeMessage(conn net.Conn) (Header, []byte, error) {
-	var b [HeaderSize]byte
+func readHandshakeMessage(conn net.Conn) (wire.Header, []byte, error) {
+	var b [wire.HeaderSize]byte
 	if _, err := io.ReadFull(conn, b[:]); err != nil {
-		return Header{}, nil, handshakeError("read", err)
+		return wire.Header{}, nil, handshakeError("read", err)
 	}
-	h, err := ParseHeader(b[:], maxHandshakeMessage)
+	h, err := wire.ParseHeader(b[:], maxHandshakeMessage)
 	if err != nil {
-		return Header{}, nil, handshakeError("read", err)
+		return wire.Header{}, nil, handshakeError("read", err)
 	}
-	payload := make([]byte, h.Length-HeaderSize)
+	payload := make([]byte, h.Length-wire.HeaderSize)
 	if _, err := io.ReadFull(conn, payload); err != nil {
-		return Header{}, nil, handshakeError("read", err)
+		return wire.Header{}, nil, handshakeError("read", err)
 	}
 	return h, payload, nil
 }
@@ -316,7 +313,7 @@ func recvMemfds(conn net.Conn, version uint8) (*memory, error) {
 	if !ok {
 		return nil, handshakeError("memfd", errors.New("memfd handshake over a non-Unix connection"))
 	}
-	if _, err := conn.Write(AppendSimple(nil, version, TypeAckReadyRecvFD)); err != nil {
+	if _, err := conn.Write(wire.AppendSimple(nil, version, wire.TypeAckReadyRecvFD)); err != nil {
 		return nil, handshakeError("send ready", err)
 	}
 	fds, err := shm.RecvFds(uc, 2)
@@ -331,7 +328,7 @@ func recvMemfds(conn net.Conn, version uint8) (*memory, error) {
 // mapFiles opens and maps the files named in meta. Both must be regular
 // files directly inside cfg.ShmDir that belong to uid, the peer's; anything
 // else is refused, with ErrPathRefused, before it is opened (openShared).
-func mapFiles(meta ShmMetadata, cfg *Config, uid int) (*memory, error) {
+func mapFiles(meta wire.ShmMetadata, cfg *Config, uid int) (*memory, error) {
 	var files [2]*os.File
 	for i, p := range []string{meta.BufferPath, meta.QueuePath} {
 		if !inDir(p, cfg.ShmDir) {

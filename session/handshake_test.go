@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/sys/unix"
 )
@@ -59,7 +60,7 @@ func TestClientHandshakeV3Bytes(t *testing.T) {
 
 	hdr := readN(t, sc, 8)
 	require.Equal(t, "77580305", hex.EncodeToString(hdr[4:]), "ShareMemoryByMemfd, version 3")
-	meta, err := ParseShmMetadata(readN(t, sc, int(binary.BigEndian.Uint32(hdr))-8))
+	meta, err := wire.ParseShmMetadata(readN(t, sc, int(binary.BigEndian.Uint32(hdr))-8))
 	require.NoError(t, err)
 	prefix := fmt.Sprintf("/dev/shm/shmlink_%d_", os.Getpid())
 	require.True(t, strings.HasPrefix(meta.QueuePath, prefix) && strings.HasSuffix(meta.QueuePath, "_queue_0"), meta.QueuePath)
@@ -121,7 +122,7 @@ func TestClientHandshakeV2Bytes(t *testing.T) {
 	payload := readN(t, sc, int(binary.BigEndian.Uint32(hdr))-8)
 	require.NoError(t, <-done)
 	defer s.Close()
-	meta, err := ParseShmMetadata(payload)
+	meta, err := wire.ParseShmMetadata(payload)
 	require.NoError(t, err)
 	require.Equal(t, uint16(len(meta.QueuePath)), binary.BigEndian.Uint16(payload), "queue path first")
 	require.True(t, strings.HasSuffix(meta.QueuePath, "_queue_0"))
@@ -148,10 +149,10 @@ func TestServerRejectsWrongFdCount(t *testing.T) {
 		_, err := Server(sc, nil)
 		done <- err
 	}()
-	_, err := cc.Write(AppendSimple(nil, 3, TypeExchangeProtoVersion))
+	_, err := cc.Write(wire.AppendSimple(nil, 3, wire.TypeExchangeProtoVersion))
 	require.NoError(t, err)
 	readN(t, cc, 8)
-	_, err = cc.Write(AppendShareMemory(nil, 3, TypeShareMemoryByMemfd, ShmMetadata{QueuePath: "/dev/shm/q", BufferPath: "/dev/shm/b"}))
+	_, err = cc.Write(wire.AppendShareMemory(nil, 3, wire.TypeShareMemoryByMemfd, wire.ShmMetadata{QueuePath: "/dev/shm/q", BufferPath: "/dev/shm/b"}))
 	require.NoError(t, err)
 	require.Equal(t, "0000000877580307", hex.EncodeToString(readN(t, cc, 8)))
 	f, err := os.CreateTemp(t.TempDir(), "fd")

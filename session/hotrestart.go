@@ -1,6 +1,10 @@
 package session
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/shmlink/shmlink/internal/wire"
+)
 
 // Hot restart (PROTOCOL.md section 5). The old server process sends
 // HotRestart{epoch} on every session (SendHotRestart). The client stops
@@ -48,7 +52,7 @@ func (s *Session) SendHotRestart(epoch uint64) error {
 	s.startDrainLocked(epoch)
 	s.mu.Unlock()
 	s.cfg.Logger.Debug("shmlink: hot restart sent", "remote", s.conn.RemoteAddr(), "epoch", epoch)
-	return s.writeCtl(AppendHotRestart(nil, s.version, TypeHotRestart, epoch))
+	return s.writeCtl(wire.AppendHotRestart(nil, s.version, wire.TypeHotRestart, epoch))
 }
 
 // Draining returns a channel that is closed when the session starts
@@ -93,7 +97,7 @@ func (s *Session) handleHotRestart(payload []byte) error {
 	if !s.isClient {
 		return fmt.Errorf("%w: HotRestart sent to a server", ErrProtocol)
 	}
-	epoch, err := ParseEpoch(payload)
+	epoch, err := wire.ParseEpoch(payload)
 	if err != nil {
 		return err
 	}
@@ -120,7 +124,7 @@ func (s *Session) handleHotRestartAck(payload []byte) error {
 	if s.isClient {
 		return fmt.Errorf("%w: HotRestartAck sent to a client", ErrProtocol)
 	}
-	epoch, err := ParseEpoch(payload)
+	epoch, err := wire.ParseEpoch(payload)
 	if err != nil {
 		return err
 	}
@@ -158,6 +162,6 @@ func (s *Session) maybeAck() {
 	s.mu.Unlock()
 	if send {
 		s.cfg.Logger.Debug("shmlink: hot restart: acknowledging", "remote", s.conn.RemoteAddr(), "epoch", epoch)
-		s.writeCtl(AppendHotRestart(nil, s.version, TypeHotRestartAck, epoch))
+		s.writeCtl(wire.AppendHotRestart(nil, s.version, wire.TypeHotRestartAck, epoch))
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/stretchr/testify/require"
 )
 
@@ -112,7 +113,7 @@ func TestHotRestartRepeated(t *testing.T) {
 	c, s := streamPair(t, client, server)
 	require.NoError(t, server.SendHotRestart(4))
 	waitDone(t, client.Draining(), "draining")
-	require.NoError(t, server.writeCtl(AppendHotRestart(nil, server.version, TypeHotRestart, 9)))
+	require.NoError(t, server.writeCtl(wire.AppendHotRestart(nil, server.version, wire.TypeHotRestart, 9)))
 	require.NoError(t, c.Close())
 	require.NoError(t, s.Close())
 	waitDone(t, server.Done(), "the ack")
@@ -126,14 +127,14 @@ func TestHotRestartRepeated(t *testing.T) {
 func TestHotRestartWrongDirection(t *testing.T) {
 	t.Run("HotRestart to a server", func(t *testing.T) {
 		client, server := pair(t, nil)
-		require.NoError(t, client.writeCtl(AppendHotRestart(nil, client.version, TypeHotRestart, 1)))
+		require.NoError(t, client.writeCtl(wire.AppendHotRestart(nil, client.version, wire.TypeHotRestart, 1)))
 		waitDone(t, server.Done(), "the server to fail")
 		require.ErrorIs(t, server.Err(), ErrProtocol)
 		require.ErrorContains(t, server.Err(), "HotRestart sent to a server")
 	})
 	t.Run("HotRestartAck to a client", func(t *testing.T) {
 		client, server := pair(t, nil)
-		require.NoError(t, server.writeCtl(AppendHotRestart(nil, server.version, TypeHotRestartAck, 1)))
+		require.NoError(t, server.writeCtl(wire.AppendHotRestart(nil, server.version, wire.TypeHotRestartAck, 1)))
 		waitDone(t, client.Done(), "the client to fail")
 		require.ErrorIs(t, client.Err(), ErrProtocol)
 		require.ErrorContains(t, client.Err(), "HotRestartAck sent to a client")

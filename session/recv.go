@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/shmlink/shmlink/queue"
 )
 
@@ -63,7 +64,7 @@ func (s *Session) recvLoop() {
 		s.unmapIfUnused()
 	}()
 	r := bufio.NewReaderSize(s.conn, 64<<10)
-	var hdr [HeaderSize]byte
+	var hdr [wire.HeaderSize]byte
 	var small [16]byte
 	for {
 		if _, err := io.ReadFull(r, hdr[:]); err != nil {
@@ -80,15 +81,15 @@ func (s *Session) recvLoop() {
 			s.failOp("read", err)
 			return
 		}
-		h, err := ParseHeader(hdr[:], uint32(s.cfg.MaxMessageSize))
+		h, err := wire.ParseHeader(hdr[:], uint32(s.cfg.MaxMessageSize))
 		if err != nil {
 			s.failOp("read", err)
 			return
 		}
-		n := int(h.Length) - HeaderSize
+		n := int(h.Length) - wire.HeaderSize
 		var payload []byte
 		switch {
-		case h.Type == TypeFallbackData:
+		case h.Type == wire.TypeFallbackData:
 			// The data part becomes the stream's; read it into its own buffer.
 			payload = make([]byte, n)
 		case n <= len(small):
@@ -110,31 +111,31 @@ func (s *Session) recvLoop() {
 }
 
 // handle acts on one control message after the handshake.
-func (s *Session) handle(h Header, payload []byte) error {
+func (s *Session) handle(h wire.Header, payload []byte) error {
 	switch h.Type {
-	case TypePolling:
+	case wire.TypePolling:
 		// Counted once handled, so that a count equal to the peer's
 		// WakeupsSent means no wakeup is still on its way to a harvest.
 		err := s.harvest()
 		s.ctr.wakeupsReceived.Add(1)
 		return err
-	case TypeStreamClose:
-		id, err := ParseStreamClose(payload)
+	case wire.TypeStreamClose:
+		id, err := wire.ParseStreamClose(payload)
 		if err != nil {
 			return err
 		}
 		return s.dispatch(queue.Event{StreamID: id, Status: stateClosed}, nil)
-	case TypeFallbackData:
-		id, status, data, err := ParseFallback(payload)
+	case wire.TypeFallbackData:
+		id, status, data, err := wire.ParseFallback(payload)
 		if err != nil {
 			return err
 		}
 		s.ctr.fallbackRead.Add(1)
 		s.ctr.bytesReceived.Add(uint64(len(data)))
 		return s.dispatch(queue.Event{StreamID: id, Status: status}, data)
-	case TypeHotRestart:
+	case wire.TypeHotRestart:
 		return s.handleHotRestart(payload)
-	case TypeHotRestartAck:
+	case wire.TypeHotRestartAck:
 		return s.handleHotRestartAck(payload)
 	}
 	return fmt.Errorf("%w: %v after the handshake", ErrProtocol, h.Type)

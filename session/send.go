@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/shmlink/shmlink/queue"
 )
 
@@ -37,7 +38,7 @@ type ctlWriter struct {
 }
 
 func newCtlWriter(conn net.Conn, version uint8) ctlWriter {
-	return ctlWriter{conn: conn, pollMsg: AppendSimple(nil, version, TypePolling)}
+	return ctlWriter{conn: conn, pollMsg: wire.AppendSimple(nil, version, wire.TypePolling)}
 }
 
 // Write writes p to the stream; see net.Conn. Data goes into slices of
@@ -430,7 +431,7 @@ func (s *Session) sendCloseLocked(m *memory, id uint32, viaSocket bool) (onSocke
 	s.ctl.mu.Lock()
 	s.ctl.scratch = append(s.ctl.scratch[:0], s.ctl.pollMsg...)
 	s.ctr.wakeupsSent.Add(1)
-	s.ctl.scratch = AppendStreamClose(s.ctl.scratch, s.version, id)
+	s.ctl.scratch = wire.AppendStreamClose(s.ctl.scratch, s.version, id)
 	_, err := s.ctl.conn.Write(s.ctl.scratch)
 	s.ctl.mu.Unlock()
 	if err != nil {
@@ -453,7 +454,7 @@ func (s *Session) writeFallback(id uint32, data []byte, poll bool) error {
 		s.ctl.scratch = append(s.ctl.scratch, s.ctl.pollMsg...)
 		s.ctr.wakeupsSent.Add(1)
 	}
-	s.ctl.scratch = AppendFallbackHeader(s.ctl.scratch, s.version, id, stateOpen, len(data))
+	s.ctl.scratch = wire.AppendFallbackHeader(s.ctl.scratch, s.version, id, stateOpen, len(data))
 	bufs := net.Buffers{s.ctl.scratch, data}
 	if _, err := bufs.WriteTo(s.ctl.conn); err != nil {
 		return s.failOp("write", err)

@@ -6,8 +6,9 @@ var (
 	// ErrUnsupported is returned on platforms without memfd, mmap or SCM_RIGHTS.
 	ErrUnsupported = errors.New("shm: not supported on this platform")
 
-	// ErrBadSize is returned by Map and MapFd when a descriptor's size is zero,
-	// larger than MaxMapSize, or different from the size the caller expects.
+	// ErrBadSize is returned by CreateMemfd and CreateFile when the size
+	// asked for is not 1..MaxMapSize, and by Map when the file's size is
+	// zero, larger than MaxMapSize, or not the size the caller expects.
 	ErrBadSize = errors.New("shm: bad shared-memory size")
 
 	// ErrBadRights is returned by RecvFds when the peer's control message does

@@ -1,10 +1,12 @@
-package session
+package wire
 
 import "errors"
 
 // ErrProtocol is wrapped by every error about a control message that breaks
-// PROTOCOL.md section 1: a bad header, a length that does not fit the
-// type, a malformed payload. The session that received it must end.
+// the protocol: a bad header, a length that does not fit the type, a
+// malformed payload (every *ProtocolError), or a message the receiving
+// session does not accept in its state. package session exports it as
+// session.ErrProtocol. The session that received such a message must end.
 var ErrProtocol = errors.New("shmlink: protocol error")
 
 // ProtocolError reports what is wrong with a control message received from

@@ -1,4 +1,4 @@
-package session
+package wire
 
 import (
 	"encoding/binary"
@@ -7,8 +7,8 @@ import (
 	"strings"
 )
 
-// Control-message framing (PROTOCOL.md section 1.1). Every message starts
-// with an 8-byte big-endian header:
+// Control-message framing. Every message starts with an 8-byte big-endian
+// header:
 //
 //	+0 length  u32  whole message in bytes, header included
 //	+4 magic   u16  Magic
@@ -23,17 +23,22 @@ const (
 	Magic = 0x7758
 
 	// DefaultMaxMessageSize is the largest control message, in bytes with
-	// the header, ParseHeader accepts when its maxLen is 0.
+	// the header, ParseHeader accepts when its maxLen is 0: 32 MiB, the
+	// Rust crate's read buffer (docs/protocol.md section 2).
 	DefaultMaxMessageSize = 32 << 20
 
+	// ProtocolVersion is the highest shmipc protocol version this module
+	// speaks (docs/protocol.md section 1).
+	ProtocolVersion = 3
+
 	// MaxPathLen is the longest queue or buffer path, in bytes, that
-	// ShmMetadata may carry (PROTOCOL.md section 1.3); Linux's PATH_MAX.
+	// ShmMetadata may carry; Linux's PATH_MAX.
 	MaxPathLen = 4096
 
-	// minVersion and maxVersion bound the header's version byte
-	// (PROTOCOL.md section 1.1).
+	// minVersion and maxVersion bound the header's version byte: v2 and
+	// v3 (docs/protocol.md section 1).
 	minVersion = 2
-	maxVersion = 3
+	maxVersion = ProtocolVersion
 
 	// Offsets of the header fields, each after the previous one.
 	hdrOffLength  = 0
@@ -41,8 +46,8 @@ const (
 	hdrOffVersion = hdrOffMagic + 2
 	hdrOffType    = hdrOffVersion + 1
 
-	// Fixed message lengths in bytes, header included (PROTOCOL.md
-	// section 1.2).
+	// Fixed message lengths in bytes, header included (the table in the
+	// package comment).
 	streamCloseLen    = HeaderSize + 4     // u32 stream id
 	fallbackHeaderLen = HeaderSize + 4 + 4 // u32 stream id, u32 status, data
 	hotRestartLen     = HeaderSize + 8     // u64 epoch
@@ -50,10 +55,10 @@ const (
 	shmMetadataMaxLen = HeaderSize + 2 + MaxPathLen + 2 + MaxPathLen
 )
 
-// MsgType is the type byte of a control message (PROTOCOL.md section 1.2).
+// MsgType is the type byte of a control message.
 type MsgType uint8
 
-// The message types of PROTOCOL.md section 1.2.
+// The message types of the shmipc protocol, v2 and v3.
 const (
 	// TypeShareMemoryByFilePath (C->S handshake) carries ShmMetadata naming
 	// files the server opens.
@@ -114,7 +119,7 @@ func (t MsgType) String() string {
 }
 
 // lengthRange returns the smallest and largest length in bytes, header
-// included, that a message of type t may have (PROTOCOL.md section 1.2).
+// included, that a message of type t may have.
 func lengthRange(t MsgType) (lo, hi uint32) {
 	switch t {
 	case TypeShareMemoryByFilePath, TypeShareMemoryByMemfd:
@@ -129,7 +134,7 @@ func lengthRange(t MsgType) (lo, hi uint32) {
 	return HeaderSize, HeaderSize // Polling, ExchangeProtoVersion, Ack*
 }
 
-// Header is a decoded control-message header (PROTOCOL.md section 1.1).
+// Header is a decoded control-message header.
 type Header struct {
 	Length  uint32  // whole message in bytes, header included
 	Version uint8   // protocol version, 2 or 3
@@ -138,13 +143,13 @@ type Header struct {
 
 // ParseHeader decodes and checks the header in the first HeaderSize bytes
 // of b. It checks the magic, the version (2 or 3), the type (0..9), the
-// length the type requires (PROTOCOL.md section 1.2: exactly 8 bytes for
+// length the type requires (exactly 8 bytes for
 // Polling, ExchangeProtoVersion and the acks, 12 for StreamClose, 16 for
 // HotRestart and HotRestartAck, at least 16 for FallbackData, 12 to
 // 8+2+MaxPathLen+2+MaxPathLen for ShmMetadata), and that the length is at
 // most maxLen bytes; maxLen 0 means DefaultMaxMessageSize. Any failure is
-// a *ProtocolError wrapping ErrProtocol, so a peer's bad header never
-// reaches the shapes that crash existing peers (PROTOCOL.md section 7).
+// a *ProtocolError wrapping ErrProtocol, so no length a peer sends is
+// used before it is checked.
 //
 // The payload is the next Length-HeaderSize bytes on the connection.
 func ParseHeader(b []byte, maxLen uint32) (Header, error) {
@@ -179,8 +184,8 @@ func ParseHeader(b []byte, maxLen uint32) (Header, error) {
 	return h, nil
 }
 
-// AppendHeader appends the 8-byte encoding of h to dst (PROTOCOL.md
-// section 1.1) and returns the extended slice. It does not check h. It
+// AppendHeader appends the 8-byte encoding of h to dst and returns the
+// extended slice. It does not check h. It
 // does not allocate when dst has room.
 func AppendHeader(dst []byte, h Header) []byte {
 	dst = binary.BigEndian.AppendUint32(dst, h.Length)
@@ -195,13 +200,13 @@ func AppendSimple(dst []byte, version uint8, t MsgType) []byte {
 	switch t {
 	case TypePolling, TypeExchangeProtoVersion, TypeAckShareMemory, TypeAckReadyRecvFD:
 	default:
-		panic("session: AppendSimple of " + t.String())
+		panic("wire: AppendSimple of " + t.String())
 	}
 	return AppendHeader(dst, Header{Length: HeaderSize, Version: version, Type: t})
 }
 
 // ShmMetadata is the payload of ShareMemoryByFilePath and
-// ShareMemoryByMemfd (PROTOCOL.md section 1.3): the paths of the IO queue
+// ShareMemoryByMemfd (docs/protocol.md section 1): the paths of the IO queue
 // and of the buffer region, or in memfd mode only their names.
 type ShmMetadata struct {
 	QueuePath  string // IO queue file; sent first
@@ -210,16 +215,16 @@ type ShmMetadata struct {
 
 // AppendShareMemory appends a ShareMemoryByFilePath or ShareMemoryByMemfd
 // message (t) carrying m to dst: u16 BE length and bytes of the queue
-// path, then the same for the buffer path (PROTOCOL.md section 1.3). It
+// path, then the same for the buffer path. It
 // panics if t is another type or a path is longer than MaxPathLen bytes
 // (creating such a file fails first). It does not check the paths
 // otherwise. It does not allocate when dst has room.
 func AppendShareMemory(dst []byte, version uint8, t MsgType, m ShmMetadata) []byte {
 	if t != TypeShareMemoryByFilePath && t != TypeShareMemoryByMemfd {
-		panic("session: AppendShareMemory of " + t.String())
+		panic("wire: AppendShareMemory of " + t.String())
 	}
 	if len(m.QueuePath) > MaxPathLen || len(m.BufferPath) > MaxPathLen {
-		panic("session: AppendShareMemory: path longer than MaxPathLen")
+		panic("wire: AppendShareMemory: path longer than MaxPathLen")
 	}
 	n := HeaderSize + 2 + len(m.QueuePath) + 2 + len(m.BufferPath)
 	dst = AppendHeader(dst, Header{Length: uint32(n), Version: version, Type: t})
@@ -230,10 +235,9 @@ func AppendShareMemory(dst []byte, version uint8, t MsgType, m ShmMetadata) []by
 }
 
 // ParseShmMetadata decodes the payload of a ShareMemoryByFilePath or
-// ShareMemoryByMemfd message (the bytes after the header, PROTOCOL.md
-// section 1.3). It is strict: each path must be 1..MaxPathLen bytes
-// without NUL, the lengths must cover the payload exactly, and no bytes may
-// trail. Any failure is a *ProtocolError wrapping ErrProtocol. Whether a
+// ShareMemoryByMemfd message (the bytes after the header). It is strict:
+// each path must be 1..MaxPathLen bytes without NUL, the lengths must cover
+// the payload exactly, and no bytes may trail. Any failure is a *ProtocolError wrapping ErrProtocol. Whether a
 // path is acceptable to open is the caller's decision.
 func ParseShmMetadata(payload []byte) (ShmMetadata, error) {
 	queuePath, rest, err := parsePath(payload, "queue path")
@@ -274,7 +278,7 @@ func parsePath(b []byte, field string) (path string, rest []byte, err error) {
 }
 
 // AppendStreamClose appends a 12-byte StreamClose message for stream id to
-// dst (PROTOCOL.md section 1.2). It does not allocate when dst has room.
+// dst. It does not allocate when dst has room.
 func AppendStreamClose(dst []byte, version uint8, id uint32) []byte {
 	dst = AppendHeader(dst, Header{Length: streamCloseLen, Version: version, Type: TypeStreamClose})
 	return binary.BigEndian.AppendUint32(dst, id)
@@ -292,13 +296,13 @@ func ParseStreamClose(payload []byte) (uint32, error) {
 
 // AppendFallbackHeader appends the first 16 bytes of a FallbackData
 // message that carries n data bytes for stream id with the given status
-// (PROTOCOL.md section 1.2): the header with length 16+n, then id and
+// (docs/protocol.md section 2): the header with length 16+n, then id and
 // status. The caller appends or writes the n data bytes after it. It
 // panics if n is negative or 16+n does not fit in 32 bits. It does not
 // allocate when dst has room.
 func AppendFallbackHeader(dst []byte, version uint8, id, status uint32, n int) []byte {
 	if n < 0 || uint64(n) > math.MaxUint32-fallbackHeaderLen {
-		panic(fmt.Sprintf("session: AppendFallbackHeader of %d data bytes", n))
+		panic(fmt.Sprintf("wire: AppendFallbackHeader of %d data bytes", n))
 	}
 	dst = AppendHeader(dst, Header{Length: fallbackHeaderLen + uint32(n), Version: version, Type: TypeFallbackData})
 	dst = binary.BigEndian.AppendUint32(dst, id)
@@ -308,7 +312,7 @@ func AppendFallbackHeader(dst []byte, version uint8, id, status uint32, n int) [
 // ParseFallback decodes the payload of a FallbackData message: stream id,
 // status (low byte = stream state) and the data, which aliases payload.
 // A payload shorter than 8 bytes is a *ProtocolError wrapping ErrProtocol
-// (PROTOCOL.md section 7: it crashes the Go peer).
+// (the shmipc-go peer crashes on one).
 func ParseFallback(payload []byte) (id, status uint32, data []byte, err error) {
 	if len(payload) < fallbackHeaderLen-HeaderSize {
 		return 0, 0, nil, &ProtocolError{Field: "payload", Reason: fmt.Sprintf("FallbackData payload of %d bytes, want at least %d", len(payload), fallbackHeaderLen-HeaderSize)}
@@ -317,11 +321,11 @@ func ParseFallback(payload []byte) (id, status uint32, data []byte, err error) {
 }
 
 // AppendHotRestart appends a 16-byte HotRestart or HotRestartAck message
-// (t) carrying epoch to dst (PROTOCOL.md sections 1.2 and 5). It panics if
+// (t) carrying epoch to dst (docs/protocol.md section 2). It panics if
 // t is another type. It does not allocate when dst has room.
 func AppendHotRestart(dst []byte, version uint8, t MsgType, epoch uint64) []byte {
 	if t != TypeHotRestart && t != TypeHotRestartAck {
-		panic("session: AppendHotRestart of " + t.String())
+		panic("wire: AppendHotRestart of " + t.String())
 	}
 	dst = AppendHeader(dst, Header{Length: hotRestartLen, Version: version, Type: t})
 	return binary.BigEndian.AppendUint64(dst, epoch)

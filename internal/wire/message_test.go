@@ -1,4 +1,4 @@
-package session
+package wire
 
 import (
 	"bytes"
@@ -11,8 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// wire builds message bytes from hex groups and quoted strings, in the
-// notation of PROTOCOL.md: wire("00000008", "7758", "03", "04").
+// wire builds message bytes from hex groups and quoted strings, such as
+// wire("00000008", "7758", "03", "04").
 func wire(parts ...string) []byte {
 	var b []byte
 	for _, p := range parts {
@@ -61,8 +61,9 @@ func reencode(h Header, payload []byte) ([]byte, error) {
 	return AppendSimple(nil, h.Version, h.Type), nil
 }
 
-// TestEncoding checks every message type's encoding against the bytes of
-// PROTOCOL.md sections 1.2-1.4, and that it parses back.
+// TestEncoding checks every message type's encoding against the bytes the
+// existing peers send (the table in the package comment), and that it
+// parses back.
 func TestEncoding(t *testing.T) {
 	longPath := "/dev/shm/" + strings.Repeat("p", MaxPathLen-len("/dev/shm/"))
 	for _, tc := range []struct {
@@ -197,8 +198,8 @@ func TestEncoding(t *testing.T) {
 	}
 }
 
-// TestParseHeaderRejects covers the headers PROTOCOL.md sections 1.1, 1.2
-// and 7 say must end the session, several of which crash existing peers.
+// TestParseHeaderRejects covers headers that must end the session: a bad
+// magic, version, type or length, several of which crash existing peers.
 func TestParseHeaderRejects(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
