@@ -39,7 +39,7 @@ func readChain(t *testing.T, r *Region, head uint32) ([]byte, []int) {
 		require.NoError(t, err)
 		require.Equal(t, int(h.Size), len(p))
 		k := -1
-		for i, l := range r.Lists() {
+		for i, l := range r.listInfo() {
 			if off > l.Offset {
 				k = i
 			}
@@ -53,14 +53,14 @@ func readChain(t *testing.T, r *Region, head uint32) ([]byte, []int) {
 // slices per list.
 func capacity(r *Region) int {
 	n := 0
-	for _, l := range r.Lists() {
+	for _, l := range r.listInfo() {
 		n += int(l.Cap-1) * int(l.SliceSize)
 	}
 	return n
 }
 
 func TestChainRoundTrip(t *testing.T) {
-	r, _ := testRegion(t, DefaultRegionSize, DefaultSizeClasses())
+	r, _ := testRegion(t, defaultRegionSize, DefaultSizeClasses())
 	w := r.newChainWriter()
 	for _, tc := range []struct {
 		size  int
@@ -122,7 +122,7 @@ func TestChainRoundTrip(t *testing.T) {
 // every byte it could place and ErrNoSpace, and the partial chain must be
 // readable and freeable.
 func TestChainNoSpace(t *testing.T) {
-	r, _ := testRegion(t, DefaultRegionSize, DefaultSizeClasses())
+	r, _ := testRegion(t, defaultRegionSize, DefaultSizeClasses())
 	total := capacity(r)
 	want := pattern(40<<20, 1)
 	var w ChainWriter
@@ -268,7 +268,7 @@ func TestChainReaderMixed(t *testing.T) {
 }
 
 func TestChainZeroAllocs(t *testing.T) {
-	r, _ := testRegion(t, DefaultRegionSize, DefaultSizeClasses())
+	r, _ := testRegion(t, defaultRegionSize, DefaultSizeClasses())
 	var w ChainWriter
 	var c ChainReader
 	small := pattern(64, 0)
@@ -302,7 +302,7 @@ func TestChainZeroAllocs(t *testing.T) {
 // TestChainConcurrent sends chains from writer goroutines to reader
 // goroutines, which check and free them, as two processes' streams would.
 func TestChainConcurrent(t *testing.T) {
-	r, _ := testRegion(t, DefaultRegionSize, concurrentClasses)
+	r, _ := testRegion(t, defaultRegionSize, concurrentClasses)
 	const writers, readers = 8, 8
 	msgs := 300
 	if testing.Short() {

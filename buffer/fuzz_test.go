@@ -40,7 +40,7 @@ type fuzzer struct {
 	in      []byte
 	mem     []byte
 	r       *Region
-	lists   []ListInfo
+	lists   []listInfo
 	held    []uint32 // allocated slices, in allocation order
 	damaged bool     // shared memory was written behind the region's back
 	w       ChainWriter
@@ -305,11 +305,11 @@ func (f *fuzzer) step() {
 		r, err := Attach(f.mem)
 		if !f.damaged {
 			require.NoError(t, err)
-			require.Equal(t, f.lists, r.Lists())
+			require.Equal(t, f.lists, r.listInfo())
 		}
 		if err == nil {
 			f.r = r
-			f.lists = r.Lists()
+			f.lists = r.listInfo()
 			// Held slices outside the new geometry are forgotten.
 			f.held = slices.DeleteFunc(f.held, func(off uint32) bool {
 				_, ok := r.locate(off)
@@ -360,7 +360,7 @@ func FuzzRegion(f *testing.F) {
 		mem := make([]byte, fuzzSize)
 		r, err := Format(mem, fuzzClasses)
 		require.NoError(t, err)
-		z := &fuzzer{t: t, in: in, mem: mem, r: r, lists: r.Lists(), src: src, dst: make([]byte, 1<<16)}
+		z := &fuzzer{t: t, in: in, mem: mem, r: r, lists: r.listInfo(), src: src, dst: make([]byte, 1<<16)}
 		z.w.Reset(r)
 		for len(z.in) > 0 {
 			z.step()

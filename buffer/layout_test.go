@@ -34,7 +34,7 @@ func TestLayoutOffsets(t *testing.T) {
 		{"sliceHeaderSize", sliceHeaderSize, 20},
 		{"flagNext", flagNext, 0x01},
 		{"flagAllocated", flagAllocated, 0x02},
-		{"DefaultRegionSize", DefaultRegionSize, 32 << 20},
+		{"defaultRegionSize", defaultRegionSize, 32 << 20},
 	} {
 		require.Equal(t, tc.want, tc.got, tc.name)
 	}
@@ -80,18 +80,18 @@ func checkDefaultLayout(t *testing.T, mem []byte, r *Region) {
 	off0 := uint32(8)
 	off1 := off0 + 36 + 2047*8192
 	off2 := off1 + 36 + 307*32768
-	require.Equal(t, []ListInfo{
+	require.Equal(t, []listInfo{
 		{Offset: off0, Cap: 2047, SliceSize: 8172},
 		{Offset: off1, Cap: 307, SliceSize: 32748},
 		{Offset: off2, Cap: 51, SliceSize: 131052},
-	}, r.Lists())
+	}, r.listInfo())
 	require.Equal(t, uint32(off2+36+51*131072), 8+binary.LittleEndian.Uint32(mem[4:]))
-	require.Equal(t, DefaultRegionSize, r.Len())
+	require.Equal(t, defaultRegionSize, len(r.mem))
 	require.Equal(t, 131052, r.MaxSliceSize())
 	require.Equal(t, []int{0, 0, 0}, r.InUse())
 
 	le := binary.LittleEndian
-	for _, l := range r.Lists() {
+	for _, l := range r.listInfo() {
 		h := mem[l.Offset:]
 		stride := l.SliceSize + sliceHeaderSize
 		require.Equal(t, l.Cap, le.Uint32(h[0:]), "free")
@@ -117,12 +117,12 @@ func checkDefaultLayout(t *testing.T, mem []byte, r *Region) {
 }
 
 func TestFormatDefaultLayout(t *testing.T) {
-	mem := make([]byte, DefaultRegionSize)
+	mem := make([]byte, defaultRegionSize)
 	r, err := Format(mem, DefaultSizeClasses())
 	require.NoError(t, err)
 	checkDefaultLayout(t, mem, r)
 
 	a, err := Attach(mem)
 	require.NoError(t, err)
-	require.Equal(t, r.Lists(), a.Lists())
+	require.Equal(t, r.listInfo(), a.listInfo())
 }

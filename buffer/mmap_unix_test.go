@@ -21,7 +21,7 @@ func mmapShared(t *testing.T, size int) []byte {
 }
 
 func TestFormatSharedMapping(t *testing.T) {
-	mem := mmapShared(t, DefaultRegionSize)
+	mem := mmapShared(t, defaultRegionSize)
 	r, err := Format(mem, DefaultSizeClasses())
 	require.NoError(t, err)
 	checkDefaultLayout(t, mem, r)

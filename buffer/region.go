@@ -9,9 +9,9 @@ import (
 )
 
 const (
-	// DefaultRegionSize is the size in bytes of the buffer region the
+	// defaultRegionSize is the size in bytes of the buffer region the
 	// existing peers create by default (PROTOCOL.md section 2.2): 32 MiB.
-	DefaultRegionSize = 32 << 20
+	defaultRegionSize = 32 << 20
 
 	// maxLists is the largest number of buffer lists (size classes) Format
 	// writes and Attach accepts. The header field is 16 bits; the bound keeps
@@ -35,7 +35,7 @@ type SizeClass struct {
 // DefaultSizeClasses returns the size classes of the existing peers'
 // default region (PROTOCOL.md section 2.2): slices of 8 KiB, 32 KiB and
 // 128 KiB including their header, at 50, 30 and 20 percent. In a
-// DefaultRegionSize region they make lists of 2047, 307 and 51 slices. The
+// defaultRegionSize region they make lists of 2047, 307 and 51 slices. The
 // returned slice is new on every call; the caller may modify it.
 func DefaultSizeClasses() []SizeClass {
 	return []SizeClass{
@@ -43,20 +43,6 @@ func DefaultSizeClasses() []SizeClass {
 		{SliceSize: 32<<10 - sliceHeaderSize, Percent: 30},
 		{SliceSize: 128<<10 - sliceHeaderSize, Percent: 20},
 	}
-}
-
-// ListInfo describes one buffer list of a region, as cached by Format or
-// Attach (PROTOCOL.md section 2.2).
-type ListInfo struct {
-	// Offset is the absolute offset in bytes of the list header from the
-	// start of the mapping.
-	Offset uint32
-
-	// Cap is the number of slices in the list.
-	Cap uint32
-
-	// SliceSize is the data bytes of each slice, excluding its header.
-	SliceSize uint32
 }
 
 // A Region is this process's view of a buffer region (PROTOCOL.md section
@@ -221,20 +207,16 @@ func newRegion(mem []byte, lists []list) *Region {
 	return r
 }
 
-// Lists returns the geometry of the region's buffer lists, in ascending
-// order of offset and slice size, as cached by Format or Attach. The
-// returned slice is a copy the caller may keep.
-func (r *Region) Lists() []ListInfo {
-	out := make([]ListInfo, len(r.lists))
+// Capacity returns the number of slices in all the region's buffer lists
+// and their data bytes, headers excluded, as cached by Format or Attach.
+func (r *Region) Capacity() (slices, bytes int) {
 	for i := range r.lists {
 		l := &r.lists[i]
-		out[i] = ListInfo{Offset: l.off, Cap: l.cap, SliceSize: l.dataSize}
+		slices += int(l.cap)
+		bytes += int(l.cap) * int(l.dataSize)
 	}
-	return out
+	return slices, bytes
 }
-
-// Len returns the length in bytes of the mapping the region views.
-func (r *Region) Len() int { return len(r.mem) }
 
 // MaxSliceSize returns the data bytes of a slice of the largest class, the
 // most one slice can carry.

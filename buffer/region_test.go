@@ -30,7 +30,7 @@ func get32(mem []byte, off uint32) uint32    { return binary.NativeEndian.Uint32
 func put32(mem []byte, off uint32, v uint32) { binary.NativeEndian.PutUint32(mem[off:], v) }
 
 // sliceOff returns the absolute offset of slice i of list l.
-func sliceOff(l ListInfo, i uint32) uint32 {
+func sliceOff(l listInfo, i uint32) uint32 {
 	return l.Offset + listHeaderSize + i*(l.SliceSize+sliceHeaderSize)
 }
 
@@ -78,7 +78,7 @@ func TestFormatBadConfig(t *testing.T) {
 
 func TestFormatSmall(t *testing.T) {
 	r, _ := testRegion(t, smallSize, smallClasses)
-	got := r.Lists()
+	got := r.listInfo()
 	require.Len(t, got, 3)
 	for i, want := range []uint32{227, 37, 3} {
 		require.Equal(t, want, got[i].Cap, "list %d", i)
@@ -95,7 +95,7 @@ func TestAttachGarbage(t *testing.T) {
 		return mem
 	}
 	lists, _ := testRegion(t, smallSize, smallClasses)
-	l := lists.Lists()
+	l := lists.listInfo()
 	for _, tc := range []struct {
 		name string
 		mem  func() []byte
@@ -151,7 +151,7 @@ func TestAttachSharesState(t *testing.T) {
 	r, mem := testRegion(t, smallSize, smallClasses)
 	a, err := Attach(mem)
 	require.NoError(t, err)
-	require.Equal(t, r.Lists(), a.Lists())
+	require.Equal(t, r.listInfo(), a.listInfo())
 
 	off, err := r.Alloc(100)
 	require.NoError(t, err)
@@ -162,8 +162,8 @@ func TestAttachSharesState(t *testing.T) {
 }
 
 func TestAllocFree(t *testing.T) {
-	r, mem := testRegion(t, DefaultRegionSize, DefaultSizeClasses())
-	lists := r.Lists()
+	r, mem := testRegion(t, defaultRegionSize, DefaultSizeClasses())
+	lists := r.listInfo()
 	for _, tc := range []struct {
 		size int
 		list int
@@ -225,7 +225,7 @@ func TestAllocZeroAllocs(t *testing.T) {
 // classes but not to smaller ones.
 func TestExhaustion(t *testing.T) {
 	r, _ := testRegion(t, smallSize, smallClasses)
-	lists := r.Lists()
+	lists := r.listInfo()
 	seen := map[uint32]bool{}
 	alloc := func(size int, wantList int) uint32 {
 		t.Helper()
@@ -284,7 +284,7 @@ func TestExhaustion(t *testing.T) {
 	}
 }
 
-// concurrentClasses make a DefaultRegionSize region of lists so long
+// concurrentClasses make a defaultRegionSize region of lists so long
 // (69904, 58254 and 22585 slices) that the concurrent tests never take a
 // list's head around a whole turn: the protocol's free list is exposed to
 // ABA (see list.pop), which these tests must not provoke.
@@ -293,9 +293,9 @@ var concurrentClasses = []SizeClass{{SliceSize: 4, Percent: 5}, {SliceSize: 124,
 // TestConcurrentAllocFree runs allocators and freers on many goroutines and
 // checks that no slice is ever held by two of them.
 func TestConcurrentAllocFree(t *testing.T) {
-	r, _ := testRegion(t, DefaultRegionSize, concurrentClasses)
-	lists := r.Lists()
-	owner := make([]atomic.Int32, DefaultRegionSize/24+1) // by offset / smallest stride
+	r, _ := testRegion(t, defaultRegionSize, concurrentClasses)
+	lists := r.listInfo()
+	owner := make([]atomic.Int32, defaultRegionSize/24+1) // by offset / smallest stride
 	const workers = 16
 	iters := 2000
 	if testing.Short() {
@@ -380,7 +380,7 @@ func TestConcurrentAllocFree(t *testing.T) {
 // method that takes one.
 func TestCorruptOffsets(t *testing.T) {
 	r, _ := testRegion(t, smallSize, smallClasses)
-	lists := r.Lists()
+	lists := r.listInfo()
 	good, err := r.Alloc(1)
 	require.NoError(t, err)
 	l0, l2 := lists[0], lists[2]
@@ -518,35 +518,35 @@ func TestCorruptList(t *testing.T) {
 	littleEndian(t)
 	for _, tc := range []struct {
 		name    string
-		damage  func(mem []byte, l ListInfo)
+		damage  func(mem []byte, l listInfo)
 		allocE  error
 		freeE   error // Free of a slice allocated before the damage
 		inUseOK bool
 	}{
-		{"head out of range", func(m []byte, l ListInfo) { put32(m, l.Offset+listOffHead, 1<<31) }, ErrCorrupt, nil, true},
-		{"head at area end", func(m []byte, l ListInfo) {
+		{"head out of range", func(m []byte, l listInfo) { put32(m, l.Offset+listOffHead, 1<<31) }, ErrCorrupt, nil, true},
+		{"head at area end", func(m []byte, l listInfo) {
 			put32(m, l.Offset+listOffHead, l.Cap*(l.SliceSize+sliceHeaderSize))
 		}, ErrCorrupt, nil, true},
-		{"head misaligned", func(m []byte, l ListInfo) { put32(m, l.Offset+listOffHead, 4) }, ErrCorrupt, nil, true},
-		{"head next out of range", func(m []byte, l ListInfo) {
+		{"head misaligned", func(m []byte, l listInfo) { put32(m, l.Offset+listOffHead, 4) }, ErrCorrupt, nil, true},
+		{"head next out of range", func(m []byte, l listInfo) {
 			put32(m, get32(m, l.Offset+listOffHead)+l.Offset+listHeaderSize+sliceOffNext, 1<<31)
 		}, ErrCorrupt, nil, true},
-		{"head next to itself", func(m []byte, l ListInfo) {
+		{"head next to itself", func(m []byte, l listInfo) {
 			h := get32(m, l.Offset+listOffHead)
 			put32(m, h+l.Offset+listHeaderSize+sliceOffNext, h)
 		}, ErrCorrupt, nil, true},
-		{"head without next", func(m []byte, l ListInfo) {
+		{"head without next", func(m []byte, l listInfo) {
 			put32(m, get32(m, l.Offset+listOffHead)+l.Offset+listHeaderSize+sliceOffFlags, 0)
 		}, ErrNoSpace, nil, true},
-		{"free count huge", func(m []byte, l ListInfo) {
+		{"free count huge", func(m []byte, l listInfo) {
 			// Every slice allocated, yet the count claims plenty.
 			put32(m, l.Offset+listOffHead, get32(m, l.Offset+listOffTail))
 		}, ErrNoSpace, nil, true},
-		{"free count zero", func(m []byte, l ListInfo) { put32(m, l.Offset+listOffFree, 0) }, ErrNoSpace, nil, false},
-		{"free count negative", func(m []byte, l ListInfo) { put32(m, l.Offset+listOffFree, 1<<32-5) }, ErrNoSpace, nil, false},
-		{"tail out of range", func(m []byte, l ListInfo) { put32(m, l.Offset+listOffTail, 1<<31) }, nil, ErrCorrupt, true},
-		{"tail misaligned", func(m []byte, l ListInfo) { put32(m, l.Offset+listOffTail, 8) }, nil, ErrCorrupt, true},
-		{"cap and slice size rewritten", func(m []byte, l ListInfo) {
+		{"free count zero", func(m []byte, l listInfo) { put32(m, l.Offset+listOffFree, 0) }, ErrNoSpace, nil, false},
+		{"free count negative", func(m []byte, l listInfo) { put32(m, l.Offset+listOffFree, 1<<32-5) }, ErrNoSpace, nil, false},
+		{"tail out of range", func(m []byte, l listInfo) { put32(m, l.Offset+listOffTail, 1<<31) }, nil, ErrCorrupt, true},
+		{"tail misaligned", func(m []byte, l listInfo) { put32(m, l.Offset+listOffTail, 8) }, nil, ErrCorrupt, true},
+		{"cap and slice size rewritten", func(m []byte, l listInfo) {
 			put32(m, l.Offset+listOffCap, 1<<32-1)
 			put32(m, l.Offset+listOffSliceSize, 1<<32-4)
 		}, nil, nil, true},
@@ -554,7 +554,7 @@ func TestCorruptList(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			// One list only, so that Alloc cannot fall through.
 			r, mem := testRegion(t, 4096, []SizeClass{{SliceSize: 124, Percent: 100}})
-			l := r.Lists()[0]
+			l := r.listInfo()[0]
 			held, err := r.Alloc(1)
 			require.NoError(t, err)
 			free := get32(mem, l.Offset+listOffFree)
@@ -583,7 +583,7 @@ func TestCorruptList(t *testing.T) {
 				}
 			}
 			// The geometry is cached: Lists ignores the damage.
-			require.Equal(t, l, r.Lists()[0])
+			require.Equal(t, l, r.listInfo()[0])
 		})
 	}
 }

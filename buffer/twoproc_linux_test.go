@@ -80,7 +80,7 @@ func churn(r *Region, iters int, mark uint32) error {
 // arrive on stdin.
 func runPeer(iters int) error {
 	f := os.NewFile(3, "region")
-	mem, err := unix.Mmap(int(f.Fd()), 0, DefaultRegionSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	mem, err := unix.Mmap(int(f.Fd()), 0, defaultRegionSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		return err
 	}
@@ -139,8 +139,8 @@ func TestTwoProcesses(t *testing.T) {
 	require.NoError(t, err)
 	f := os.NewFile(uintptr(fd), "region")
 	defer f.Close()
-	require.NoError(t, f.Truncate(DefaultRegionSize))
-	mem, err := unix.Mmap(fd, 0, DefaultRegionSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	require.NoError(t, f.Truncate(defaultRegionSize))
+	mem, err := unix.Mmap(fd, 0, defaultRegionSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	require.NoError(t, err)
 	defer unix.Munmap(mem)
 	// Long lists: see concurrentClasses. The test pops about 10000, 7000

@@ -11,9 +11,9 @@ const (
 	// eventSize is the size in bytes of one event (PROTOCOL.md section 3.2).
 	eventSize = eventOffStatus + 4
 
-	// DefaultCap is the number of events per half that the existing peers
-	// use; it makes a queue of Size(DefaultCap) = 196656 bytes.
-	DefaultCap = 8192
+	// defaultCap is the number of events per half that the existing peers
+	// use; it makes a queue of Size(defaultCap) = 196656 bytes.
+	defaultCap = 8192
 
 	// MaxCap is the largest number of events per half FormatPair and
 	// AttachPair accept (a queue of about 24 MiB). It bounds what an

@@ -51,7 +51,7 @@ func TestSize(t *testing.T) {
 		cap  uint32
 		want int
 	}{
-		{DefaultCap, 196656}, // PROTOCOL.md section 3
+		{defaultCap, 196656}, // PROTOCOL.md section 3
 		{1, 2 * (24 + 12)},
 		{7, 2 * (24 + 7*12)},
 		{MaxCap, 2 * (24 + 12<<20)},
@@ -62,16 +62,16 @@ func TestSize(t *testing.T) {
 
 // TestFormatPairHeader checks the bytes FormatPair writes.
 func TestFormatPairHeader(t *testing.T) {
-	mem := alignedMem(Size(DefaultCap))
+	mem := alignedMem(Size(defaultCap))
 	for i := range mem {
 		mem[i] = 0xa5
 	}
-	first, second, err := FormatPair(mem, DefaultCap)
+	first, second, err := FormatPair(mem, defaultCap)
 	require.NoError(t, err)
-	require.Equal(t, uint32(DefaultCap), first.Cap())
-	require.Equal(t, uint32(DefaultCap), second.Cap())
-	for _, base := range []int{0, Size(DefaultCap) / 2} {
-		require.Equal(t, uint32(DefaultCap), binary.NativeEndian.Uint32(mem[base+offCap:]))
+	require.Equal(t, uint32(defaultCap), first.capacity())
+	require.Equal(t, uint32(defaultCap), second.capacity())
+	for _, base := range []int{0, Size(defaultCap) / 2} {
+		require.Equal(t, uint32(defaultCap), binary.NativeEndian.Uint32(mem[base+offCap:]))
 		require.Zero(t, binary.NativeEndian.Uint64(mem[base+offHead:]))
 		require.Zero(t, binary.NativeEndian.Uint64(mem[base+offTail:]))
 		require.Zero(t, binary.NativeEndian.Uint32(mem[base+offWorking:]))
@@ -81,11 +81,11 @@ func TestFormatPairHeader(t *testing.T) {
 }
 
 // TestPlacement checks which caps FormatPair and AttachPair accept on
-// this architecture: DefaultCap must be fine for both halves.
+// this architecture: defaultCap must be fine for both halves.
 func TestPlacement(t *testing.T) {
-	require.True(t, validCap(DefaultCap))
+	require.True(t, validCap(defaultCap))
 	require.NoError(t, checkPlacement("first", 0))
-	require.NoError(t, checkPlacement("second", Size(DefaultCap)/2))
+	require.NoError(t, checkPlacement("second", Size(defaultCap)/2))
 
 	for cap := uint32(1); cap <= 64; cap++ {
 		mem := alignedMem(Size(cap))
@@ -138,7 +138,7 @@ func TestAttachPair(t *testing.T) {
 	require.NoError(t, err)
 	ss, sr, err := AttachPair(mem)
 	require.NoError(t, err)
-	require.Equal(t, uint32(cap), ss.Cap())
+	require.Equal(t, uint32(cap), ss.capacity())
 
 	// Client sends on the first half, the server receives there.
 	require.NoError(t, cf.Put(Event{StreamID: 2, Offset: 8, Status: 0}))
@@ -157,7 +157,7 @@ func TestAttachPair(t *testing.T) {
 
 	// The cap is cached: a peer rewriting it later changes nothing.
 	binary.NativeEndian.PutUint32(mem[offCap:], 1)
-	require.Equal(t, uint32(cap), ss.Cap())
+	require.Equal(t, uint32(cap), ss.capacity())
 	for i := range cap {
 		require.NoError(t, cf.Put(Event{StreamID: uint32(i)}))
 	}

@@ -49,7 +49,7 @@ type Ring struct {
 // full speed: on amd64 (legacy layout) the 4-byte aligned counters must not
 // straddle a 64-byte cache line, so cap%16 must not be 2 or 8; elsewhere
 // (aligned layout) they must be 8-byte aligned, so cap must be even. The
-// default cap, DefaultCap, is fine on both.
+// default cap, defaultCap, is fine on both.
 func FormatPair(mem []byte, cap uint32) (first, second *Ring, err error) {
 	if cap < 1 || cap > MaxCap {
 		return nil, nil, fmt.Errorf("%w: cap %d outside 1..%d", ErrBadConfig, cap, MaxCap)
@@ -132,9 +132,9 @@ func newRing(mem []byte, cap uint32) *Ring {
 	}
 }
 
-// Cap returns the number of events the ring holds when full, as read from
+// capacity returns the number of events the ring holds when full, as read from
 // the header once by FormatPair or AttachPair (PROTOCOL.md section 3.1).
-func (r *Ring) Cap() uint32 { return r.cap }
+func (r *Ring) capacity() uint32 { return r.cap }
 
 // counters loads head and tail and checks them: 0 <= head <= tail <=
 // head+cap, and tail below the largest count so tail+1 cannot overflow.

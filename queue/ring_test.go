@@ -167,7 +167,7 @@ func TestWorkingFlag(t *testing.T) {
 }
 
 func TestPutPopAllocs(t *testing.T) {
-	_, r, _ := newPair(t, DefaultCap)
+	_, r, _ := newPair(t, defaultCap)
 	allocs := testing.AllocsPerRun(1000, func() {
 		if err := r.Put(Event{StreamID: 1, Offset: 2, Status: 3}); err != nil {
 			t.Fatal(err)
@@ -238,7 +238,7 @@ func TestProducerConsumerHeap(t *testing.T) {
 	if testing.Short() {
 		n = 10_000
 	}
-	for _, cap := range []uint32{DefaultCap, testCaps()[1]} {
+	for _, cap := range []uint32{defaultCap, testCaps()[1]} {
 		first, second := func() (*Ring, *Ring) { _, f, s := newPair(t, cap); return f, s }()
 		produceConsume(t, first, first, n)
 		produceConsume(t, second, second, n)
@@ -415,7 +415,7 @@ func TestWorkingFlagModel(t *testing.T) {
 }
 
 func BenchmarkPutPop(b *testing.B) {
-	_, r, _ := newPair(b, DefaultCap)
+	_, r, _ := newPair(b, defaultCap)
 	b.SetBytes(eventSize)
 	b.ReportAllocs()
 	e := Event{StreamID: 2, Offset: 4096, Status: 0}
@@ -432,7 +432,7 @@ func BenchmarkPutPop(b *testing.B) {
 // BenchmarkChannelBaseline is the in-process baseline for BenchmarkPutPop:
 // a send and a receive on a buffered channel of events.
 func BenchmarkChannelBaseline(b *testing.B) {
-	ch := make(chan Event, DefaultCap)
+	ch := make(chan Event, defaultCap)
 	b.SetBytes(eventSize)
 	b.ReportAllocs()
 	e := Event{StreamID: 2, Offset: 4096, Status: 0}

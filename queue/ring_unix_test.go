@@ -27,8 +27,8 @@ func TestProducerConsumerMmap(t *testing.T) {
 	if testing.Short() {
 		n = 50_000
 	}
-	mem := mapShared(t, Size(DefaultCap))
-	clientSend, clientRecv, err := FormatPair(mem, DefaultCap)
+	mem := mapShared(t, Size(defaultCap))
+	clientSend, clientRecv, err := FormatPair(mem, defaultCap)
 	require.NoError(t, err)
 	serverRecv, serverSend, err := AttachPair(mem)
 	require.NoError(t, err)

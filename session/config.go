@@ -40,31 +40,32 @@ func (m MemoryType) String() string {
 	return fmt.Sprintf("MemoryType(%d)", uint8(m))
 }
 
-// Defaults used by a zero Config. Sizes are in bytes, caps in events.
+// Defaults used by a zero Config; each field's doc states its own. Sizes
+// are in bytes, caps in events.
 const (
-	// DefaultBufferSize is the size of the buffer region a client creates.
-	DefaultBufferSize = buffer.DefaultRegionSize
-	// DefaultQueueCap is the number of 12-byte events per IO-queue direction.
-	DefaultQueueCap = queue.DefaultCap
-	// DefaultShmDir is where file-backed regions and queues are created.
-	DefaultShmDir = "/dev/shm"
-	// DefaultHandshakeTimeout bounds the whole handshake on either side.
-	DefaultHandshakeTimeout = 3 * time.Second
-	// DefaultAcceptBacklog is how many opened streams a server session holds
+	// defaultBufferSize is the size of the buffer region a client creates.
+	defaultBufferSize = 32 << 20
+	// defaultQueueCap is the number of 12-byte events per IO-queue direction.
+	defaultQueueCap = 8192
+	// defaultShmDir is where file-backed regions and queues are created.
+	defaultShmDir = "/dev/shm"
+	// defaultHandshakeTimeout bounds the whole handshake on either side.
+	defaultHandshakeTimeout = 3 * time.Second
+	// defaultAcceptBacklog is how many opened streams a server session holds
 	// for AcceptStream before it refuses new ones (by closing them).
-	DefaultAcceptBacklog = 4096
-	// DefaultPollTime is how long a reader waiting for data polls shared
+	defaultAcceptBacklog = 4096
+	// defaultPollTime is how long a reader waiting for data polls shared
 	// memory after the last event before it sleeps until a wakeup.
-	DefaultPollTime = 50 * time.Microsecond
-	// DefaultStreamHeapLimit is how many unread bytes a stream may copy
+	defaultPollTime = 50 * time.Microsecond
+	// defaultStreamHeapLimit is how many unread bytes a stream may copy
 	// out of shared memory to the heap (see Config.StreamHeapLimit).
-	DefaultStreamHeapLimit = 16 << 20
-	// DefaultQueueFullTimeout is how long a writer waits for room in a full
+	defaultStreamHeapLimit = 16 << 20
+	// defaultQueueFullTimeout is how long a writer waits for room in a full
 	// IO queue before its write fails with ErrQueueFull.
-	DefaultQueueFullTimeout = 5 * time.Second
-	// DefaultMaxMessageSize is the largest control message accepted from
+	defaultQueueFullTimeout = 5 * time.Second
+	// defaultMaxMessageSize is the largest control message accepted from
 	// the peer, header included: 32 MiB, the Rust crate's read buffer.
-	DefaultMaxMessageSize = wire.DefaultMaxMessageSize
+	defaultMaxMessageSize = wire.DefaultMaxMessageSize
 )
 
 // Config tunes a session. The zero value works: every zero field takes the
@@ -72,7 +73,7 @@ const (
 // changing it later has no effect on running sessions.
 type Config struct {
 	// BufferSize is the size in bytes of the buffer region a client creates
-	// (PROTOCOL.md section 2). Default DefaultBufferSize (32 MiB). Servers
+	// (PROTOCOL.md section 2). Default 32 MiB. Servers
 	// map whatever the client created.
 	BufferSize int
 
@@ -82,7 +83,7 @@ type Config struct {
 	SizeClasses []buffer.SizeClass
 
 	// QueueCap is the number of events per direction of the IO queue a
-	// client creates (PROTOCOL.md section 3). Default DefaultQueueCap (8192).
+	// client creates (PROTOCOL.md section 3). Default 8192.
 	QueueCap uint32
 
 	// MemoryType selects memfd or file-backed shared memory for a client.
@@ -94,25 +95,25 @@ type Config struct {
 	// by a peer: regular files directly inside it that belong to the peer's
 	// uid (on a Unix socket; over TCP, which carries no credentials, this
 	// process's effective uid). Any other path is refused before it is
-	// opened (ErrPathRefused). Default DefaultShmDir ("/dev/shm").
+	// opened (ErrPathRefused). Default "/dev/shm".
 	ShmDir string
 
 	// HandshakeTimeout bounds the handshake on both sides. Default
-	// DefaultHandshakeTimeout (3 s).
+	// 3 s.
 	HandshakeTimeout time.Duration
 
 	// MaxMessageSize is the largest control message accepted from the peer,
-	// header included, in bytes. Default DefaultMaxMessageSize (32 MiB, the
-	// Rust crate's read buffer: it sends a whole flush as one FallbackData).
+	// header included, in bytes. Default 32 MiB, the
+	// Rust crate's read buffer: it sends a whole flush as one FallbackData.
 	MaxMessageSize int
 
 	// AcceptBacklog is the number of streams a server session queues for
-	// AcceptStream. Default DefaultAcceptBacklog.
+	// AcceptStream. Default 4096.
 	AcceptBacklog int
 
 	// QueueFullTimeout is how long a write waits for room in a full IO queue
 	// before failing with ErrQueueFull, unless its deadline comes first.
-	// Default DefaultQueueFullTimeout (5 s).
+	// Default 5 s.
 	QueueFullTimeout time.Duration
 
 	// Fallback makes a writer that finds the buffer region exhausted send
@@ -132,7 +133,7 @@ type Config struct {
 	// to two PollTimes more (about 1 ms when the process is otherwise
 	// idle, Go's timer resolution), unless another reader sleeps: events
 	// for streams nobody is reading wait that long at most (lease.go).
-	// Default DefaultPollTime (50 µs); negative turns polling off (every
+	// Default 50 µs; negative turns polling off (every
 	// wait sleeps, every message after a pause costs a wakeup).
 	PollTime time.Duration
 
@@ -155,7 +156,7 @@ type Config struct {
 	// Past it messages stay in shared memory, the region fills, and the
 	// peer's writers wait for space (or fall back, by their Config). Bytes
 	// that arrive as FallbackData are always taken. Default
-	// DefaultStreamHeapLimit (16 MiB); negative: nothing is copied out.
+	// 16 MiB; negative: nothing is copied out.
 	StreamHeapLimit int
 
 	// AllowUIDs lists the user ids whose processes may be the peer on a
@@ -241,7 +242,7 @@ func (c *Config) withDefaults() Config {
 		out = *c
 	}
 	if out.BufferSize == 0 {
-		out.BufferSize = DefaultBufferSize
+		out.BufferSize = defaultBufferSize
 	}
 	if out.SizeClasses == nil {
 		out.SizeClasses = buffer.DefaultSizeClasses()
@@ -250,29 +251,29 @@ func (c *Config) withDefaults() Config {
 	}
 	out.AllowUIDs = slices.Clone(out.AllowUIDs)
 	if out.QueueCap == 0 {
-		out.QueueCap = DefaultQueueCap
+		out.QueueCap = defaultQueueCap
 	}
 	if out.ShmDir == "" {
-		out.ShmDir = DefaultShmDir
+		out.ShmDir = defaultShmDir
 	}
 	out.ShmDir = filepath.Clean(out.ShmDir)
 	if out.HandshakeTimeout == 0 {
-		out.HandshakeTimeout = DefaultHandshakeTimeout
+		out.HandshakeTimeout = defaultHandshakeTimeout
 	}
 	if out.MaxMessageSize == 0 {
-		out.MaxMessageSize = DefaultMaxMessageSize
+		out.MaxMessageSize = defaultMaxMessageSize
 	}
 	if out.AcceptBacklog == 0 {
-		out.AcceptBacklog = DefaultAcceptBacklog
+		out.AcceptBacklog = defaultAcceptBacklog
 	}
 	if out.QueueFullTimeout == 0 {
-		out.QueueFullTimeout = DefaultQueueFullTimeout
+		out.QueueFullTimeout = defaultQueueFullTimeout
 	}
 	if out.StreamHeapLimit == 0 {
-		out.StreamHeapLimit = DefaultStreamHeapLimit
+		out.StreamHeapLimit = defaultStreamHeapLimit
 	}
 	if out.PollTime == 0 {
-		out.PollTime = DefaultPollTime
+		out.PollTime = defaultPollTime
 	}
 	if out.Logger == nil {
 		out.Logger = slog.New(slog.DiscardHandler)

@@ -7,11 +7,11 @@ import (
 )
 
 // Hot restart (PROTOCOL.md section 5). The old server process sends
-// HotRestart{epoch} on every session (SendHotRestart). The client stops
-// using the session for new streams (its owner watches Draining), lets the
-// streams in flight finish, and answers HotRestartAck{epoch} by itself as
-// soon as the last one is gone; OpenStream fails with ErrDraining from
-// then on. The server ends the session when the ack arrives (Err is then
+// HotRestart{epoch} on every session (SendHotRestart). The client's owner
+// stops using the session for new streams (HotRestartEpoch reports the
+// HotRestart), the streams in flight finish, and the client answers
+// HotRestartAck{epoch} by itself as soon as the last one is gone;
+// OpenStream fails with ErrDraining from then on. The server ends the session when the ack arrives (Err is then
 // ErrHotRestarted), which the client reads as the peer's close.
 //
 // A HotRestart sent to a server, or an ack sent to a client, is a protocol
@@ -24,7 +24,7 @@ type hotRestart struct {
 	started bool          // server: HotRestart sent; client: HotRestart received
 	acked   bool          // client: the ack is sent (or being sent); server: it arrived
 	epoch   uint64        // the epoch of that HotRestart
-	ch      chan struct{} // closed once started; made by Draining
+	ch      chan struct{} // closed once started; made by draining
 }
 
 // SendHotRestart tells the client of a server session that a new server
@@ -55,12 +55,12 @@ func (s *Session) SendHotRestart(epoch uint64) error {
 	return s.writeCtl(wire.AppendHotRestart(nil, s.version, wire.TypeHotRestart, epoch))
 }
 
-// Draining returns a channel that is closed when the session starts
+// draining returns a channel that is closed when the session starts
 // draining for a hot restart: on a client when the server's HotRestart
 // arrives, on a server when SendHotRestart was called. A client's owner
 // then opens new streams on a new session to the same address (the new
 // server process); see HotRestartEpoch for the epoch.
-func (s *Session) Draining() <-chan struct{} {
+func (s *Session) draining() <-chan struct{} {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.hr.ch == nil {

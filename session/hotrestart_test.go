@@ -37,7 +37,7 @@ func TestHotRestartDrain(t *testing.T) {
 
 	require.NoError(t, server.SendHotRestart(7))
 	require.ErrorIs(t, server.SendHotRestart(8), ErrDraining, "one hot restart per session")
-	waitDone(t, client.Draining(), "the client to see HotRestart")
+	waitDone(t, client.draining(), "the client to see HotRestart")
 	epoch, ok := client.HotRestartEpoch()
 	require.True(t, ok)
 	require.Equal(t, uint64(7), epoch)
@@ -45,7 +45,7 @@ func TestHotRestartDrain(t *testing.T) {
 	require.True(t, ok)
 	require.Equal(t, uint64(7), epoch)
 	select {
-	case <-server.Draining():
+	case <-server.draining():
 	default:
 		t.Fatal("server not draining after SendHotRestart")
 	}
@@ -79,7 +79,7 @@ func TestHotRestartAckBlocksOpen(t *testing.T) {
 	scfg := &Config{Logger: slog.New(slog.NewTextHandler(&log, nil))}
 	client, server := pairWith(t, nil, scfg)
 	require.NoError(t, client.handleHotRestart(binary.BigEndian.AppendUint64(nil, 3)))
-	waitDone(t, client.Draining(), "draining")
+	waitDone(t, client.draining(), "draining")
 	c, err := client.OpenStream(context.Background())
 	require.ErrorIs(t, err, ErrDraining)
 	require.Nil(t, c)
@@ -112,7 +112,7 @@ func TestHotRestartRepeated(t *testing.T) {
 	client, server := pair(t, nil)
 	c, s := streamPair(t, client, server)
 	require.NoError(t, server.SendHotRestart(4))
-	waitDone(t, client.Draining(), "draining")
+	waitDone(t, client.draining(), "draining")
 	require.NoError(t, server.writeCtl(wire.AppendHotRestart(nil, server.version, wire.TypeHotRestart, 9)))
 	require.NoError(t, c.Close())
 	require.NoError(t, s.Close())

@@ -159,7 +159,7 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 		s.namesLive.Store(true)
 	}
 	c.Logger.Debug("shmlink: session started", "client", isClient, "version", version,
-		"remote", conn.RemoteAddr(), "buffer", len(mem.bufMem), "queue_cap", mem.send.Cap())
+		"remote", conn.RemoteAddr(), "buffer", len(mem.bufMem), "queue", len(mem.queueMem))
 	go s.recvLoop()
 	return s, nil
 }
@@ -167,23 +167,20 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 // init sets up the mapping mem and its limits from c.
 func (m *sharedMem) init(mem *memory, c *Config) {
 	m.mem = mem
-	dataBytes := 0
-	for _, l := range mem.region.Lists() {
-		m.maxLinks += int(l.Cap)
-		dataBytes += int(l.Cap) * int(l.SliceSize)
-	}
+	slices, dataBytes := mem.region.Capacity()
+	m.maxLinks = slices
 	m.pressureBytes = dataBytes / 4
 	m.heapLimit = max(c.StreamHeapLimit, 0)
 	switch {
 	case c.StreamMemoryLimit == 0:
-		m.streamLimit = mem.region.Len() / 4
-		m.sessionLimit = mem.region.Len() / 2
+		m.streamLimit = len(mem.bufMem) / 4
+		m.sessionLimit = len(mem.bufMem) / 2
 	case c.StreamMemoryLimit < 0:
 		m.streamLimit = math.MaxInt
 		m.sessionLimit = math.MaxInt
 	default:
 		m.streamLimit = c.StreamMemoryLimit
-		m.sessionLimit = mem.region.Len() / 2
+		m.sessionLimit = len(mem.bufMem) / 2
 	}
 }
 
@@ -197,9 +194,6 @@ func (s *Session) withMem(f func(m *memory) error) error {
 	}
 	return f(s.shm.mem)
 }
-
-// IsClient reports whether this is the client side of the session.
-func (s *Session) IsClient() bool { return s.isClient }
 
 // Version returns the negotiated protocol version, 2 or 3.
 func (s *Session) Version() uint8 { return s.version }
@@ -237,7 +231,7 @@ func (s *Session) NumStreams() int {
 // speaks first work. Ids of streams that both sides closed are reused. It
 // returns ErrNotClient on a server session, the session's error once it
 // has ended, ErrStreamIDs when ids are exhausted, ErrDraining once the
-// session has acknowledged a hot restart (see Draining), ctx.Err() if ctx
+// session has acknowledged a hot restart (docs/protocol.md section 5), ctx.Err() if ctx
 // is done before the announcement is queued, and ErrQueueFull if the peer
 // leaves the IO queue full for Config.QueueFullTimeout.
 func (s *Session) OpenStream(ctx context.Context) (*Stream, error) {
