@@ -93,8 +93,9 @@ func handshakeError(op string, err error) error {
 }
 
 // clientHandshake creates the client's buffer region and IO queue, shares
-// them with the server over conn, and returns the negotiated version.
-// On error everything it created is released; conn is left to the caller.
+// them with the server over conn (docs/protocol.md section 1.4), and
+// returns the negotiated version. On error everything it created is
+// released; conn is left to the caller.
 func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err error) {
 	uc, isUnix := conn.(*net.UnixConn)
 	if _, err := checkPeer(conn, cfg); err != nil {
@@ -121,88 +122,22 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 		QueuePath:  filepath.Join(cfg.ShmDir, name+"_queue_0"),
 		BufferPath: filepath.Join(cfg.ShmDir, name+"_buffer"),
 	}
-	mem := &memory{}
-	var bufFile, queueFile *os.File
-	defer func() {
-		if bufFile != nil {
-			bufFile.Close()
-		}
-		if queueFile != nil {
-			queueFile.Close()
-		}
-		if err != nil {
-			mem.release()
-		}
-	}()
-	queueSize := queue.Size(cfg.QueueCap)
-	if mt == MemoryMemfd {
-		if bufFile, err = shm.CreateMemfd("shmipc"+meta.BufferPath, cfg.BufferSize); err != nil {
-			return nil, 0, handshakeError("create buffer", err)
-		}
-		if queueFile, err = shm.CreateMemfd("shmipc"+meta.QueuePath, queueSize); err != nil {
-			return nil, 0, handshakeError("create queue", err)
-		}
-	} else {
-		removeStale(cfg.ShmDir)
-		if bufFile, err = shm.CreateFile(meta.BufferPath, cfg.BufferSize); err != nil {
-			return nil, 0, handshakeError("create buffer", err)
-		}
-		mem.remove = append(mem.remove, meta.BufferPath)
-		if queueFile, err = shm.CreateFile(meta.QueuePath, queueSize); err != nil {
-			return nil, 0, handshakeError("create queue", err)
-		}
-		mem.remove = append(mem.remove, meta.QueuePath)
+	mem, files, err := createShared(cfg, mt, meta)
+	if err != nil {
+		return nil, 0, err
 	}
-	if mem.bufMem, err = shm.Map(int(bufFile.Fd()), cfg.BufferSize); err != nil {
-		return nil, 0, handshakeError("map buffer", err)
-	}
-	if mem.queueMem, err = shm.Map(int(queueFile.Fd()), queueSize); err != nil {
-		return nil, 0, handshakeError("map queue", err)
-	}
-	if mem.region, err = buffer.Format(mem.bufMem, cfg.SizeClasses); err != nil {
-		return nil, 0, handshakeError("format buffer", err)
-	}
-	// The client sends on the first half and receives on the second (3).
-	if mem.send, mem.recv, err = queue.FormatPair(mem.queueMem, cfg.QueueCap); err != nil {
-		return nil, 0, handshakeError("format queue", err)
-	}
-
+	defer closeFiles(files)
 	if mt == MemoryFile && !isUnix {
 		// v2: metadata, no reply. The files stay until the server's first
 		// message or event shows it mapped them (Session.forgetNames).
 		if _, err = conn.Write(wire.AppendShareMemory(nil, 2, wire.TypeShareMemoryByFilePath, meta)); err != nil {
+			mem.release()
 			return nil, 0, handshakeError("send metadata", err)
 		}
 		return mem, 2, nil
 	}
-
-	// v3: exchange versions first.
-	if _, err = conn.Write(wire.AppendSimple(nil, wire.ProtocolVersion, wire.TypeExchangeProtoVersion)); err != nil {
-		return nil, 0, handshakeError("send version", err)
-	}
-	h, err := readHandshakeHeader(conn, wire.TypeExchangeProtoVersion)
-	if err != nil {
-		return nil, 0, err
-	}
-	version = min(h.Version, wire.ProtocolVersion)
-	if version < 3 {
-		return nil, 0, handshakeError("version", fmt.Errorf("server speaks version %d; v3 is needed over a Unix socket", h.Version))
-	}
-	if mt == MemoryMemfd {
-		if _, err = conn.Write(wire.AppendShareMemory(nil, version, wire.TypeShareMemoryByMemfd, meta)); err != nil {
-			return nil, 0, handshakeError("send metadata", err)
-		}
-		if _, err = readHandshakeHeader(conn, wire.TypeAckReadyRecvFD); err != nil {
-			return nil, 0, err
-		}
-		// Exactly two descriptors, buffer first (1.4 step 5).
-		if err = shm.SendFds(uc, int(bufFile.Fd()), int(queueFile.Fd())); err != nil {
-			return nil, 0, handshakeError("send fds", err)
-		}
-	} else if _, err = conn.Write(wire.AppendShareMemory(nil, version, wire.TypeShareMemoryByFilePath, meta)); err != nil {
-		return nil, 0, handshakeError("send metadata", err)
-	}
-	if _, err = readHandshakeHeader(conn, wire.TypeAckShareMemory); err != nil {
+	if version, err = shareV3(conn, uc, mt, meta, files); err != nil {
+		mem.release()
 		return nil, 0, err
 	}
 	// The server has mapped both: the names are no longer needed.
@@ -211,6 +146,91 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 	}
 	mem.remove = nil
 	return mem, version, nil
+}
+
+// createShared creates, maps and formats the buffer region and the IO
+// queue of a client, as memfds or as files at meta's paths. It returns the
+// open files, buffer first, which the caller closes. On error everything
+// it created is released.
+func createShared(cfg *Config, mt MemoryType, meta wire.ShmMetadata) (*memory, []*os.File, error) {
+	mem := &memory{}
+	var files []*os.File
+	fail := func(op string, err error) (*memory, []*os.File, error) {
+		closeFiles(files)
+		mem.release()
+		return nil, nil, handshakeError(op, err)
+	}
+	if mt == MemoryFile {
+		removeStale(cfg.ShmDir)
+	}
+	queueSize := queue.Size(cfg.QueueCap)
+	for _, f := range []struct {
+		what, path string
+		size       int
+	}{{"buffer", meta.BufferPath, cfg.BufferSize}, {"queue", meta.QueuePath, queueSize}} {
+		var file *os.File
+		var err error
+		if mt == MemoryMemfd {
+			file, err = shm.CreateMemfd("shmipc"+f.path, f.size)
+		} else if file, err = shm.CreateFile(f.path, f.size); err == nil {
+			mem.remove = append(mem.remove, f.path)
+		}
+		if err != nil {
+			return fail("create "+f.what, err)
+		}
+		files = append(files, file)
+	}
+	var err error
+	if mem.bufMem, err = shm.Map(int(files[0].Fd()), cfg.BufferSize); err != nil {
+		return fail("map buffer", err)
+	}
+	if mem.queueMem, err = shm.Map(int(files[1].Fd()), queueSize); err != nil {
+		return fail("map queue", err)
+	}
+	if mem.region, err = buffer.Format(mem.bufMem, cfg.SizeClasses); err != nil {
+		return fail("format buffer", err)
+	}
+	// The client sends on the first half and receives on the second
+	// (docs/protocol.md section 3).
+	if mem.send, mem.recv, err = queue.FormatPair(mem.queueMem, cfg.QueueCap); err != nil {
+		return fail("format queue", err)
+	}
+	return mem, files, nil
+}
+
+// shareV3 runs the v3 exchange of a client (docs/protocol.md section 1.4):
+// versions, then the memory by memfd (files: buffer, queue) or by path,
+// then the server's ack. It returns the negotiated version.
+func shareV3(conn net.Conn, uc *net.UnixConn, mt MemoryType, meta wire.ShmMetadata, files []*os.File) (uint8, error) {
+	if _, err := conn.Write(wire.AppendSimple(nil, wire.ProtocolVersion, wire.TypeExchangeProtoVersion)); err != nil {
+		return 0, handshakeError("send version", err)
+	}
+	h, err := readHandshakeHeader(conn, wire.TypeExchangeProtoVersion)
+	if err != nil {
+		return 0, err
+	}
+	version := min(h.Version, wire.ProtocolVersion)
+	if version < 3 {
+		return 0, handshakeError("version", fmt.Errorf("server speaks version %d; v3 is needed over a Unix socket", h.Version))
+	}
+	if mt == MemoryMemfd {
+		if _, err = conn.Write(wire.AppendShareMemory(nil, version, wire.TypeShareMemoryByMemfd, meta)); err != nil {
+			return 0, handshakeError("send metadata", err)
+		}
+		if _, err = readHandshakeHeader(conn, wire.TypeAckReadyRecvFD); err != nil {
+			return 0, err
+		}
+		// Exactly two descriptors, buffer first (section 1.4 step 5).
+		if err = shm.SendFds(uc, int(files[0].Fd()), int(files[1].Fd())); err != nil {
+			return 0, handshakeError("send fds", err)
+		}
+	} else if _, err = conn.Write(wire.AppendShareMemory(nil, version, wire.TypeShareMemoryByFilePath, meta)); err != nil {
+		return 0, handshakeError("send metadata", err)
+	}
+	if _, err = readHandshakeHeader(conn, wire.TypeAckShareMemory); err != nil {
+		return 0, err
+	}
+	return version, nil
 }
 
 // readHandshakeHeader reads one header-only handshake message of type want.
