@@ -6,7 +6,7 @@ import (
 )
 
 // A ChainWriter builds one message as a chain of slices of a Region
-// (PROTOCOL.md sections 2.3 and 2.4): Write copies bytes in, Reserve hands
+// (docs/protocol.md sections 2.3 and 2.4): Write copies bytes in, Reserve hands
 // out room to fill in place, Finish links the chain up and returns its
 // head, the offset that goes on the wire.
 //
@@ -38,7 +38,7 @@ func (w *ChainWriter) Reset(r *Region) {
 // It fills the last slice first; when that is full it allocates another:
 // from the smallest class that holds what is left of p, or the largest
 // class when nothing does, trying larger classes and then smaller ones
-// when a class is exhausted (PROTOCOL.md section 2.4).
+// when a class is exhausted (docs/protocol.md section 2.4).
 //
 // When no slice can be had, Write returns n < len(p) and ErrNoSpace
 // (unwrapped); the n bytes written stay in the chain, which the caller may
@@ -140,7 +140,7 @@ func (w *ChainWriter) Abort() error {
 	return err
 }
 
-// A ChainReader walks a received chain of slices (PROTOCOL.md section 2.3),
+// A ChainReader walks a received chain of slices (docs/protocol.md section 2.3),
 // checking every slice and link, and ending with an error after as many
 // slices as the region has, so that a cycle cannot make it loop. It does
 // not free the slices; Region.FreeChain does that once the caller is done

@@ -1,5 +1,5 @@
 // Package buffer implements the buffer region of the shmipc protocol
-// (PROTOCOL.md section 2): a shared-memory mapping cut into buffer lists of
+// (docs/protocol.md section 2): a shared-memory mapping cut into buffer lists of
 // fixed-size slices, which both processes of a session allocate message
 // slices from, lock-free, and which the receiver of a message recycles.
 //

@@ -6,7 +6,7 @@ var (
 	// ErrNoSpace is returned by Region.Alloc, ChainWriter.Write and
 	// ChainWriter.Reserve when no buffer list that may serve the request has
 	// a slice to hand out; the last free slice of a list is never handed out
-	// (PROTOCOL.md section 2.4). It is not fatal: the caller may retry after
+	// (docs/protocol.md section 2.4). It is not fatal: the caller may retry after
 	// the peer recycled slices, or send the data on the socket as
 	// FallbackData. Region.Alloc returns it unwrapped, without allocating.
 	ErrNoSpace = errors.New("buffer: no free slice")

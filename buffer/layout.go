@@ -5,7 +5,7 @@ import (
 	"unsafe"
 )
 
-// Region header, 8 bytes at offset 0 of the mapping (PROTOCOL.md section
+// Region header, 8 bytes at offset 0 of the mapping (docs/protocol.md section
 // 2.1), host byte order:
 //
 //	+0 lists     u16  number of buffer lists, 1..maxLists
@@ -18,11 +18,11 @@ const (
 	regionOffUsed     = regionOffReserved + 2
 
 	// regionHeaderSize is the size in bytes of the region header at offset
-	// 0 of the mapping (PROTOCOL.md section 2.1).
+	// 0 of the mapping (docs/protocol.md section 2.1).
 	regionHeaderSize = regionOffUsed + 4
 )
 
-// Buffer list header, 36 bytes, followed by cap slices (PROTOCOL.md section
+// Buffer list header, 36 bytes, followed by cap slices (docs/protocol.md section
 // 2.2). head and tail are offsets relative to the list's slice area, which
 // starts right after this header:
 //
@@ -48,11 +48,11 @@ const (
 	listCountersSize = 12
 
 	// listHeaderSize is the size in bytes of a buffer list header
-	// (PROTOCOL.md section 2.2).
+	// (docs/protocol.md section 2.2).
 	listHeaderSize = listOffCounters + listCountersSize
 )
 
-// Slice header, 20 bytes, followed by the slice's data (PROTOCOL.md section
+// Slice header, 20 bytes, followed by the slice's data (docs/protocol.md section
 // 2.3). next is area-relative while the slice is on a free list and an
 // absolute mapping offset while it is part of a message chain:
 //
@@ -74,12 +74,12 @@ const (
 	// three unused bytes after it, accessed together as one atomic u32.
 	sliceFlagsWordSize = 4
 
-	// sliceHeaderSize is the size in bytes of a slice header (PROTOCOL.md
+	// sliceHeaderSize is the size in bytes of a slice header (docs/protocol.md
 	// section 2.3).
 	sliceHeaderSize = sliceOffFlags + sliceFlagsWordSize
 )
 
-// Slice flags, the byte at slice header +16 (PROTOCOL.md section 2.3).
+// Slice flags, the byte at slice header +16 (docs/protocol.md section 2.3).
 const (
 	// flagNext marks the slice's next field as valid: on a free list the
 	// slice has a successor, in a chain the message continues.

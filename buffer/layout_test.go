@@ -8,7 +8,7 @@ import (
 )
 
 // TestLayoutOffsets checks the offset constants against the byte maps of
-// PROTOCOL.md sections 2.1 to 2.3.
+// docs/protocol.md sections 2.1 to 2.3.
 func TestLayoutOffsets(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
@@ -71,7 +71,7 @@ func littleEndian(t *testing.T) {
 }
 
 // checkDefaultLayout checks that mem holds a freshly formatted default
-// region (PROTOCOL.md section 2.2) and that r describes it.
+// region (docs/protocol.md section 2.2) and that r describes it.
 func checkDefaultLayout(t *testing.T, mem []byte, r *Region) {
 	t.Helper()
 	littleEndian(t)

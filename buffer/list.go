@@ -11,7 +11,7 @@ import (
 // an operation fail but never spin forever.
 const (
 	// popTries bounds the CAS attempts on a list head; the peers use 200
-	// (PROTOCOL.md section 2.4). Running out is reported as ErrNoSpace.
+	// (docs/protocol.md section 2.4). Running out is reported as ErrNoSpace.
 	popTries = 200
 
 	// pushTries bounds the CAS attempts on a list tail. Each failed attempt
@@ -24,7 +24,7 @@ const (
 	claimTries = 16
 )
 
-// list is this process's view of one buffer list (PROTOCOL.md section 2.2).
+// list is this process's view of one buffer list (docs/protocol.md section 2.2).
 // Its geometry is read once, by Format or Attach, and never again: a peer
 // may rewrite cap and slice size in shared memory at any time, so every
 // offset read at run time (head, tail, next) is checked against this copy.
@@ -83,7 +83,7 @@ func (l *list) validRel(rel uint32) bool {
 	return rel%l.stride == 0
 }
 
-// format writes the initial state of the list and its slices (PROTOCOL.md
+// format writes the initial state of the list and its slices (docs/protocol.md
 // section 2.2): every slice free and linked to the next, the last one
 // without flagNext. Only the creator calls it, before any peer attaches.
 func (l *list) format(base unsafe.Pointer) {
@@ -110,7 +110,7 @@ func (l *list) format(base unsafe.Pointer) {
 }
 
 // pop takes the first free slice off the list and returns the absolute
-// offset of its header (PROTOCOL.md section 2.4). It returns ErrNoSpace,
+// offset of its header (docs/protocol.md section 2.4). It returns ErrNoSpace,
 // unwrapped, when the list holds at most one free slice or the head did not
 // settle within popTries attempts, and an error wrapping ErrCorrupt when the
 // head or a next link is not a slice of this list.
@@ -164,7 +164,7 @@ func (l *list) pop(base unsafe.Pointer) (uint32, error) {
 }
 
 // push recycles the slice whose header is at absolute offset hdr onto the
-// tail of the list (PROTOCOL.md section 2.4). The caller has checked that
+// tail of the list (docs/protocol.md section 2.4). The caller has checked that
 // hdr is a slice of this list and has cleared its flags, which makes it the
 // caller's alone. It returns an error wrapping ErrCorrupt when the tail is
 // not a slice of this list or is hdr itself; the slice is then lost.

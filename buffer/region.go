@@ -10,7 +10,7 @@ import (
 
 const (
 	// defaultRegionSize is the size in bytes of the buffer region the
-	// existing peers create by default (PROTOCOL.md section 2.2): 32 MiB.
+	// existing peers create by default (docs/protocol.md section 2.2): 32 MiB.
 	defaultRegionSize = 32 << 20
 
 	// maxLists is the largest number of buffer lists (size classes) Format
@@ -33,7 +33,7 @@ type SizeClass struct {
 }
 
 // DefaultSizeClasses returns the size classes of the existing peers'
-// default region (PROTOCOL.md section 2.2): slices of 8 KiB, 32 KiB and
+// default region (docs/protocol.md section 2.2): slices of 8 KiB, 32 KiB and
 // 128 KiB including their header, at 50, 30 and 20 percent. In a
 // defaultRegionSize region they make lists of 2047, 307 and 51 slices. The
 // returned slice is new on every call; the caller may modify it.
@@ -45,7 +45,7 @@ func DefaultSizeClasses() []SizeClass {
 	}
 }
 
-// A Region is this process's view of a buffer region (PROTOCOL.md section
+// A Region is this process's view of a buffer region (docs/protocol.md section
 // 2): a mapping shared with one peer, holding buffer lists of fixed-size
 // slices that both processes allocate from and recycle into.
 //
@@ -69,7 +69,7 @@ type Region struct {
 }
 
 // Format writes the initial layout of a region with the given size classes
-// into mem (PROTOCOL.md sections 2.1 and 2.2) and returns a view of it. The
+// into mem (docs/protocol.md sections 2.1 and 2.2) and returns a view of it. The
 // classes must be 1 to 32, in strictly ascending SliceSize, each a
 // positive multiple of 4, with percents summing to 100; each list gets
 // floor(floor(regionCap*Percent/100) / (SliceSize+20)) slices, where
@@ -131,7 +131,7 @@ func Format(mem []byte, classes []SizeClass) (*Region, error) {
 	return newRegion(mem, lists), nil
 }
 
-// Attach returns a view of a region a peer formatted in mem (PROTOCOL.md
+// Attach returns a view of a region a peer formatted in mem (docs/protocol.md
 // sections 2.1 and 2.2). It checks the header against the mapping: 1 to
 // 32 lists, each with at least one slice, a slice size that is a
 // positive multiple of 4 and not below the previous list's, all lying back
@@ -236,7 +236,7 @@ func (r *Region) InUse() []int {
 
 // Alloc pops one slice and returns the absolute offset in bytes of its
 // header from the start of the mapping, the value that goes on the wire
-// (PROTOCOL.md sections 2.3 and 2.4). It tries the smallest class whose
+// (docs/protocol.md sections 2.3 and 2.4). It tries the smallest class whose
 // SliceSize is at least size, then the larger ones; when size exceeds
 // MaxSliceSize only the largest class is tried. The slice comes with
 // its allocated flag set, size and start 0, and belongs to the caller until it
@@ -310,7 +310,7 @@ func badOffset(op string, off uint32) error {
 }
 
 // Free recycles the slice whose header is at absolute offset off onto its
-// buffer list (PROTOCOL.md section 2.4). The list is found from off and the
+// buffer list (docs/protocol.md section 2.4). The list is found from off and the
 // cached geometry, not from the slice's cap field. off typically comes from
 // the peer, as a message the caller received; after Free the slice and any
 // byte slice obtained for it belong to the region again.
@@ -349,7 +349,7 @@ func (r *Region) free(l *list, off uint32) (uint32, error) {
 }
 
 // FreeChain frees every slice of the chain that starts at absolute offset
-// head, following next links while the slice's next flag is set (PROTOCOL.md section
+// head, following next links while the slice's next flag is set (docs/protocol.md section
 // 2.3), and returns the number of slices freed. Each link is read before
 // its slice is freed. The walk ends after at most as many links as the
 // region has slices.
@@ -379,7 +379,7 @@ func (r *Region) FreeChain(head uint32) (n int, err error) {
 	return n, fmt.Errorf("buffer: free chain from %d: longer than the region's %d slices: %w", head, r.total, ErrCorrupt)
 }
 
-// A sliceHeader is a snapshot of a slice header (PROTOCOL.md section 2.3).
+// A sliceHeader is a snapshot of a slice header (docs/protocol.md section 2.3).
 type sliceHeader struct {
 	// Offset is the absolute offset in bytes of the header from the start
 	// of the mapping.
@@ -431,7 +431,7 @@ func (r *Region) slice(off uint32) (sliceHeader, error) {
 }
 
 // FreeBytes returns the data capacity in bytes of the slices free now, in
-// every list: a snapshot of the lists' free counters (PROTOCOL.md section
+// every list: a snapshot of the lists' free counters (docs/protocol.md section
 // 2), which both processes change concurrently. It reads shared memory
 // but takes no lock.
 func (r *Region) FreeBytes() int {
@@ -444,7 +444,7 @@ func (r *Region) FreeBytes() int {
 }
 
 // SliceSize returns the data capacity in bytes of the slices of the list
-// that holds absolute offset off (the slice size of PROTOCOL.md section
+// that holds absolute offset off (the slice size of docs/protocol.md section
 // 2), or 0 if off is not a slice header. It reads no shared memory.
 func (r *Region) SliceSize(off uint32) int {
 	l, ok := r.locate(off)
@@ -531,7 +531,7 @@ func (r *Region) SetPayload(off uint32, size uint32) error {
 
 // linkChecked makes next, an absolute offset, the successor of the slice at
 // absolute offset off in a chain: it sets off's next field and its flags to
-// flagNext|flagAllocated (PROTOCOL.md section 2.3). The caller owns off.
+// flagNext|flagAllocated (docs/protocol.md section 2.3). The caller owns off.
 // It returns an error wrapping ErrCorrupt when off or next is not a slice
 // header or they are equal.
 func (r *Region) linkChecked(off, next uint32) error {

@@ -221,7 +221,7 @@ func TestAllocZeroAllocs(t *testing.T) {
 }
 
 // TestExhaustion checks that the last free slice of a list is never handed
-// out (PROTOCOL.md section 2.4) and that Alloc falls through to larger
+// out (docs/protocol.md section 2.4) and that Alloc falls through to larger
 // classes but not to smaller ones.
 func TestExhaustion(t *testing.T) {
 	r, _ := testRegion(t, smallSize, smallClasses)

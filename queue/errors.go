@@ -4,7 +4,7 @@ import "errors"
 
 var (
 	// ErrFull is returned by Ring.Put when the ring already holds cap events
-	// the peer has not popped yet (PROTOCOL.md section 3.3). It is not
+	// the peer has not popped yet (docs/protocol.md section 3.3). It is not
 	// fatal: the caller may retry after the peer drained the ring.
 	ErrFull = errors.New("queue: IO queue full")
 

@@ -2,13 +2,13 @@ package queue
 
 import "fmt"
 
-// Sizes and bounds of the IO queue (PROTOCOL.md section 3).
+// Sizes and bounds of the IO queue (docs/protocol.md section 3).
 const (
 	// headerSize is the size in bytes of the header at the start of each
-	// half of the queue (PROTOCOL.md section 3.1).
+	// half of the queue (docs/protocol.md section 3.1).
 	headerSize = offEvents
 
-	// eventSize is the size in bytes of one event (PROTOCOL.md section 3.2).
+	// eventSize is the size in bytes of one event (docs/protocol.md section 3.2).
 	eventSize = eventOffStatus + 4
 
 	// defaultCap is the number of events per half that the existing peers
@@ -21,7 +21,7 @@ const (
 	MaxCap = 1 << 20
 )
 
-// Event layout, 12 bytes in host order (PROTOCOL.md section 3.2). The
+// Event layout, 12 bytes in host order (docs/protocol.md section 3.2). The
 // prose spec's field order is wrong; the peers use this one:
 //
 //	+0  stream id                 u32
@@ -45,7 +45,7 @@ const cacheLine = 64
 // counterAlign, the alignment in bytes the 64-bit counters need.
 
 // Size returns the size in bytes of a whole queue file of cap events per
-// half: two halves of a 24-byte header and 12 bytes per event (PROTOCOL.md
+// half: two halves of a 24-byte header and 12 bytes per event (docs/protocol.md
 // section 3). For cap > MaxCap the result is not a usable size.
 func Size(cap uint32) int {
 	return 2 * halfSize(cap)

@@ -1,7 +1,7 @@
 package queue
 
 // Legacy header layout, the one the amd64 peers use and the only one they
-// interoperate with (PROTOCOL.md section 3.1). Byte map of each half:
+// interoperate with (docs/protocol.md section 3.1). Byte map of each half:
 //
 //	+0  cap          u32  events in this half, written once by the creator
 //	+4  head         i64  consumer count, monotonic; only 4-byte aligned

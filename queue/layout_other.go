@@ -2,7 +2,7 @@
 
 package queue
 
-// Aligned header layout, the one the arm64 peers use (PROTOCOL.md section
+// Aligned header layout, the one the arm64 peers use (docs/protocol.md section
 // 3.1). Byte map of each half:
 //
 //	+0  cap          u32  events in this half, written once by the creator

@@ -30,7 +30,7 @@ func validCap(cap uint32) bool {
 }
 
 // TestLayout checks the header offsets of this build's layout against the
-// table in PROTOCOL.md section 3.1 and the event against section 3.2.
+// table in docs/protocol.md section 3.1 and the event against section 3.2.
 func TestLayout(t *testing.T) {
 	type offsets struct{ cap, head, tail, working, events int }
 	want := map[bool]offsets{
@@ -51,7 +51,7 @@ func TestSize(t *testing.T) {
 		cap  uint32
 		want int
 	}{
-		{defaultCap, 196656}, // PROTOCOL.md section 3
+		{defaultCap, 196656}, // docs/protocol.md section 3
 		{1, 2 * (24 + 12)},
 		{7, 2 * (24 + 7*12)},
 		{MaxCap, 2 * (24 + 12<<20)},

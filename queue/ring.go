@@ -1,6 +1,6 @@
 // Package queue implements the IO queue of the shmipc protocol: a pair of
 // single-producer single-consumer rings of 12-byte events in shared memory,
-// one per direction (PROTOCOL.md section 3).
+// one per direction (docs/protocol.md section 3).
 //
 // The client creates the queue file and sends on the first half; the server
 // sends on the second half. Head and tail are monotonic 64-bit counters
@@ -17,7 +17,7 @@ import (
 	"unsafe"
 )
 
-// Event is one entry of the IO queue (PROTOCOL.md section 3.2).
+// Event is one entry of the IO queue (docs/protocol.md section 3.2).
 type Event struct {
 	StreamID uint32 // stream the event belongs to
 	Offset   uint32 // offset of the first slice in the buffer mapping, 0 for a close
@@ -41,7 +41,7 @@ type Ring struct {
 // must be exactly Size(cap) bytes and start on a 64-byte boundary (an mmap
 // does). It writes cap into both headers and zeroes head, tail and the
 // working flag, and returns the first half (the client's sending side) and
-// the second (the server's), PROTOCOL.md section 3.
+// the second (the server's), docs/protocol.md section 3.
 //
 // It returns an error wrapping ErrBadConfig if cap is outside 1..MaxCap,
 // len(mem) != Size(cap), mem is misaligned, or cap would put a counter of
@@ -76,7 +76,7 @@ func FormatPair(mem []byte, cap uint32) (first, second *Ring, err error) {
 // AttachPair attaches to a queue a peer formatted in mem (a mapping of the
 // peer's whole queue file, starting on a 64-byte boundary) and returns its
 // first half (the client's sending side) and second half (the server's),
-// PROTOCOL.md section 3. The cap is read once, here; the Rings never read
+// docs/protocol.md section 3. The cap is read once, here; the Rings never read
 // it from shared memory again.
 //
 // It returns an error wrapping ErrCorrupt if the header does not describe
@@ -133,7 +133,7 @@ func newRing(mem []byte, cap uint32) *Ring {
 }
 
 // capacity returns the number of events the ring holds when full, as read from
-// the header once by FormatPair or AttachPair (PROTOCOL.md section 3.1).
+// the header once by FormatPair or AttachPair (docs/protocol.md section 3.1).
 func (r *Ring) capacity() uint32 { return r.cap }
 
 // counters loads head and tail and checks them: 0 <= head <= tail <=
@@ -147,7 +147,7 @@ func (r *Ring) counters() (head, tail int64, err error) {
 	return head, tail, nil
 }
 
-// Put appends e to the ring (PROTOCOL.md section 3.3): it writes e at
+// Put appends e to the ring (docs/protocol.md section 3.3): it writes e at
 // index tail%cap and then atomically advances tail. It returns ErrFull if
 // the ring holds cap events, and an error wrapping ErrCorrupt if the
 // counters in shared memory are impossible. Only one goroutine in all
@@ -172,7 +172,7 @@ func (r *Ring) Put(e Event) error {
 	return nil
 }
 
-// Pop removes the oldest event from the ring (PROTOCOL.md section 3.3): it
+// Pop removes the oldest event from the ring (docs/protocol.md section 3.3): it
 // reads the event at index head%cap and then atomically advances head. It
 // returns ok == false with a nil error when the ring is empty, and an error
 // wrapping ErrCorrupt if the counters in shared memory are impossible. Only
@@ -201,7 +201,7 @@ func (r *Ring) Pop() (e Event, ok bool, err error) {
 }
 
 // len returns the number of events in the ring, tail - head clamped to
-// 0..cap, for statistics (PROTOCOL.md section 3.3). It is a snapshot that
+// 0..cap, for statistics (docs/protocol.md section 3.3). It is a snapshot that
 // may be stale at once, and it never fails: corrupt counters show up in
 // Put and Pop.
 func (r *Ring) len() int {
@@ -209,7 +209,7 @@ func (r *Ring) len() int {
 	return int(min(max(tail-head, 0), int64(r.cap)))
 }
 
-// Empty reports whether the ring holds no events, head >= tail (PROTOCOL.md
+// Empty reports whether the ring holds no events, head >= tail (docs/protocol.md
 // section 3.3): the receiver's re-check after ClearWorking. Corrupt
 // counters make Pop return ErrCorrupt, whatever Empty reports.
 func (r *Ring) Empty() bool {
@@ -219,27 +219,27 @@ func (r *Ring) Empty() bool {
 // MarkWorking sets the working flag if it was clear, with a compare-and-swap
 // 0 -> 1, and reports whether this call set it. A sender calls it after each
 // Put and, only when it returns true, sends one Polling message
-// (PROTOCOL.md section 3.3).
+// (docs/protocol.md section 3.3).
 func (r *Ring) MarkWorking() bool {
 	return r.working.CompareAndSwap(0, 1)
 }
 
 // ClearWorking stores 0 in the working flag. A receiver calls it after
 // draining the ring and must then check the ring again: an event put
-// before the clear may not have been popped (PROTOCOL.md section 3.3).
+// before the clear may not have been popped (docs/protocol.md section 3.3).
 func (r *Ring) ClearWorking() {
 	r.working.Store(0)
 }
 
 // SetWorking stores 1 in the working flag: a receiver that keeps polling the
 // ring itself, or that found it non-empty after ClearWorking, tells the
-// sender not to send Polling messages (PROTOCOL.md section 3.3).
+// sender not to send Polling messages (docs/protocol.md section 3.3).
 func (r *Ring) SetWorking() {
 	r.working.Store(1)
 }
 
 // Working reports whether the working flag is set, that is non-zero
-// (PROTOCOL.md section 3.3).
+// (docs/protocol.md section 3.3).
 func (r *Ring) Working() bool {
 	return r.working.Load() != 0
 }

@@ -245,7 +245,7 @@ func TestProducerConsumerHeap(t *testing.T) {
 	}
 }
 
-// TestWorkingFlagConcurrent runs the wakeup protocol of PROTOCOL.md
+// TestWorkingFlagConcurrent runs the wakeup protocol of docs/protocol.md
 // section 3.3 between two goroutines over a small ring: the producer puts
 // and sends a Polling (a channel message) only when MarkWorking succeeds;
 // the consumer drains only on a Polling. Every event must be consumed
@@ -334,7 +334,7 @@ const (
 // TestWorkingFlagModel explores every interleaving of a producer that puts
 // k events (each followed by MarkWorking and, if it succeeded, a Polling)
 // with a consumer that drains on Polling, clears the flag and re-checks
-// (PROTOCOL.md section 3.3), each step a single ring operation. In every
+// (docs/protocol.md section 3.3), each step a single ring operation. In every
 // final state all k events were consumed. Without the re-check the model
 // must find a stranded event, which shows it can.
 func TestWorkingFlagModel(t *testing.T) {

@@ -13,7 +13,7 @@ import (
 )
 
 // MemoryType says how a client shares its buffer region and IO queue with a
-// server (PROTOCOL.md section 1.4).
+// server (docs/protocol.md section 1.4).
 type MemoryType uint8
 
 const (
@@ -73,7 +73,7 @@ const (
 // changing it later has no effect on running sessions.
 type Config struct {
 	// BufferSize is the size in bytes of the buffer region a client creates
-	// (PROTOCOL.md section 2). Default 32 MiB. Servers
+	// (docs/protocol.md section 2). Default 32 MiB. Servers
 	// map whatever the client created.
 	BufferSize int
 
@@ -83,7 +83,7 @@ type Config struct {
 	SizeClasses []buffer.SizeClass
 
 	// QueueCap is the number of events per direction of the IO queue a
-	// client creates (PROTOCOL.md section 3). Default 8192.
+	// client creates (docs/protocol.md section 3). Default 8192.
 	QueueCap uint32
 
 	// MemoryType selects memfd or file-backed shared memory for a client.
@@ -117,7 +117,7 @@ type Config struct {
 	QueueFullTimeout time.Duration
 
 	// Fallback makes a writer that finds the buffer region exhausted send
-	// its bytes over the control connection as FallbackData (PROTOCOL.md
+	// its bytes over the control connection as FallbackData (docs/protocol.md
 	// section 1.2) at once, instead of waiting for the peer to free slices;
 	// the stream then stays on the socket, to keep its bytes in order. The
 	// default (false) is backpressure: the writer waits, until its write
@@ -180,7 +180,7 @@ type Config struct {
 	PeerCheck func(PeerCred) error
 
 	// Epoch is the hot-restart epoch a client puts in the names of the
-	// shared-memory objects it creates (PROTOCOL.md sections 5 and 6):
+	// shared-memory objects it creates (docs/protocol.md sections 5 and 6):
 	// "shmlink_<pid>_e<Epoch>_<random>". shmlink.Dialer sets it to the
 	// epoch of the last HotRestart it saw from the address. Default 0.
 	Epoch uint64

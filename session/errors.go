@@ -25,7 +25,7 @@ var (
 	ErrWriteClosed = fmt.Errorf("shmlink: stream closed for writing: %w", net.ErrClosed)
 
 	// ErrNotClient is returned by OpenStream on a server session: only the
-	// client opens streams in the shmipc protocol (PROTOCOL.md section 4).
+	// client opens streams in the shmipc protocol (docs/protocol.md section 4).
 	ErrNotClient = errors.New("shmlink: only a client session opens streams")
 
 	// ErrNotServer is returned by AcceptStream on a client session.
@@ -55,7 +55,7 @@ var (
 	ErrPeerClosed = errors.New("shmlink: peer closed the session")
 
 	// ErrDraining is returned by OpenStream on a client session that has
-	// acknowledged a hot restart (PROTOCOL.md section 5): the old server
+	// acknowledged a hot restart (docs/protocol.md section 5): the old server
 	// closes it, so the stream must go on a new session. SendHotRestart
 	// returns it when the session is already draining.
 	ErrDraining = errors.New("shmlink: session is draining for a hot restart")

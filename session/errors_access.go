@@ -14,7 +14,7 @@ var (
 	ErrPeerRefused = errors.New("shmlink: peer refused")
 
 	// ErrPathRefused is wrapped by the handshake error of Server when a
-	// client's file-path handshake (ShareMemoryByFilePath, PROTOCOL.md 1.4)
+	// client's file-path handshake (ShareMemoryByFilePath, docs/protocol.md section 1.4)
 	// names anything but a regular file directly inside Config.ShmDir that
 	// belongs to the client's uid: a path outside ShmDir or with "." or
 	// ".." in it, a symlink, a directory, a FIFO, a device, a socket, a file

@@ -39,7 +39,7 @@ func readN(t *testing.T, r io.Reader, n int) []byte {
 	return b
 }
 
-// The client's v3 memfd handshake, byte for byte (PROTOCOL.md 1.4), against
+// The client's v3 memfd handshake, byte for byte (docs/protocol.md section 1.4), against
 // a scripted server.
 func TestClientHandshakeV3Bytes(t *testing.T) {
 	cc, sc := socketPair(t)

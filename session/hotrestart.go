@@ -6,7 +6,7 @@ import (
 	"github.com/shmlink/shmlink/internal/wire"
 )
 
-// Hot restart (PROTOCOL.md section 5). The old server process sends
+// Hot restart (docs/protocol.md section 5). The old server process sends
 // HotRestart{epoch} on every session (SendHotRestart). The client's owner
 // stops using the session for new streams (HotRestartEpoch reports the
 // HotRestart), the streams in flight finish, and the client answers
@@ -28,7 +28,7 @@ type hotRestart struct {
 }
 
 // SendHotRestart tells the client of a server session that a new server
-// process took over (PROTOCOL.md section 5): it sends HotRestart{epoch},
+// process took over (docs/protocol.md section 5): it sends HotRestart{epoch},
 // where epoch is the new process's generation. The client answers with
 // HotRestartAck{epoch} once its streams on this session are done, and the
 // session then ends with ErrHotRestarted; the streams it still has keep

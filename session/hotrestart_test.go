@@ -28,7 +28,7 @@ func waitDone(t *testing.T, ch <-chan struct{}, what string) {
 	}
 }
 
-// The whole exchange of PROTOCOL.md section 5: the client drains, keeps
+// The whole exchange of docs/protocol.md section 5: the client drains, keeps
 // its stream in flight working, acks once that stream is closed, and the
 // server then ends the session.
 func TestHotRestartDrain(t *testing.T) {

@@ -20,7 +20,7 @@ import (
 // event to its stream (pushChain); a stream's reader consumes what was
 // pushed. A reader with nothing to read spins on the queue itself for a
 // while (Stream.spin) before it sleeps, and may lease the working flag
-// when it returns (docs/protocol.md section 9).
+// when it returns (docs/protocol.md section 12).
 
 // receiver is a session's receive side.
 type receiver struct {
@@ -394,7 +394,7 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 
 // mustCopyOut reports whether a message of total bytes in slices of charge
 // bytes of capacity goes to the heap rather than staying in shared memory
-// (docs/protocol.md section 9): it would take the stream, or all streams,
+// (docs/protocol.md section 13): it would take the stream, or all streams,
 // over their share of the region, while the region runs short and the
 // reader has stalled, and the heap limit allows it. A reader that keeps
 // reading only slows its writer down (backpressure): copying its data out
@@ -900,7 +900,7 @@ func (st *Stream) readyFor(want int) bool {
 	return st.buffered >= want || st.state&(stRemoteClosed|stClosed) != 0
 }
 
-// The working-flag lease (docs/protocol.md section 9).
+// The working-flag lease (docs/protocol.md section 12).
 //
 // A reader that spins on the receive queue holds the queue's working flag
 // at 1, so the peer puts events without sending a Polling. When the reader

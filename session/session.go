@@ -49,7 +49,7 @@ type Session struct {
 }
 
 // sharedMem is a session's mapping of the shared memory and the limits on
-// what unread data may hold of it (docs/protocol.md section 9).
+// what unread data may hold of it (docs/protocol.md section 13).
 type sharedMem struct {
 	// mu is read-held by whoever touches the mapping and write-held only
 	// to unmap it.

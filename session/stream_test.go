@@ -245,7 +245,7 @@ func TestSessionClose(t *testing.T) {
 }
 
 // Data written just before a close, and before the whole session ends,
-// is still delivered (PROTOCOL.md section 7: peers drop it).
+// is still delivered (docs/protocol.md section 7: peers drop it).
 func TestDataBeforeSessionEnd(t *testing.T) {
 	client, server := pair(t, nil)
 	ctx := context.Background()

@@ -1,7 +1,7 @@
 // Package wire encodes and decodes the control messages of the shmipc
 // protocol, v2 and v3, byte for byte as the existing peers send them; what
-// shmlink does with each message is in docs/protocol.md, sections 1
-// (handshakes) and 2 (control messages).
+// shmlink does with each message is in docs/protocol.md, section 1
+// (the control connection: messages and handshakes).
 //
 // Every message is an 8-byte big-endian header (Header; its byte map is
 // beside HeaderSize) followed by its payload. The ten message types and

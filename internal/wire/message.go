@@ -24,11 +24,11 @@ const (
 
 	// DefaultMaxMessageSize is the largest control message, in bytes with
 	// the header, ParseHeader accepts when its maxLen is 0: 32 MiB, the
-	// Rust crate's read buffer (docs/protocol.md section 2).
+	// Rust crate's read buffer (docs/protocol.md section 13).
 	DefaultMaxMessageSize = 32 << 20
 
 	// ProtocolVersion is the highest shmipc protocol version this module
-	// speaks (docs/protocol.md section 1).
+	// speaks (docs/protocol.md section 1.4).
 	ProtocolVersion = 3
 
 	// MaxPathLen is the longest queue or buffer path, in bytes, that
@@ -36,7 +36,7 @@ const (
 	MaxPathLen = 4096
 
 	// minVersion and maxVersion bound the header's version byte: v2 and
-	// v3 (docs/protocol.md section 1).
+	// v3 (docs/protocol.md section 1.4).
 	minVersion = 2
 	maxVersion = ProtocolVersion
 
@@ -206,7 +206,7 @@ func AppendSimple(dst []byte, version uint8, t MsgType) []byte {
 }
 
 // ShmMetadata is the payload of ShareMemoryByFilePath and
-// ShareMemoryByMemfd (docs/protocol.md section 1): the paths of the IO queue
+// ShareMemoryByMemfd (docs/protocol.md section 1.3): the paths of the IO queue
 // and of the buffer region, or in memfd mode only their names.
 type ShmMetadata struct {
 	QueuePath  string // IO queue file; sent first
@@ -296,7 +296,7 @@ func ParseStreamClose(payload []byte) (uint32, error) {
 
 // AppendFallbackHeader appends the first 16 bytes of a FallbackData
 // message that carries n data bytes for stream id with the given status
-// (docs/protocol.md section 2): the header with length 16+n, then id and
+// (docs/protocol.md section 1.2): the header with length 16+n, then id and
 // status. The caller appends or writes the n data bytes after it. It
 // panics if n is negative or 16+n does not fit in 32 bits. It does not
 // allocate when dst has room.
@@ -321,7 +321,7 @@ func ParseFallback(payload []byte) (id, status uint32, data []byte, err error) {
 }
 
 // AppendHotRestart appends a 16-byte HotRestart or HotRestartAck message
-// (t) carrying epoch to dst (docs/protocol.md section 2). It panics if
+// (t) carrying epoch to dst (docs/protocol.md section 5). It panics if
 // t is another type. It does not allocate when dst has room.
 func AppendHotRestart(dst []byte, version uint8, t MsgType, epoch uint64) []byte {
 	if t != TypeHotRestart && t != TypeHotRestartAck {
