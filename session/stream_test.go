@@ -1,7 +1,9 @@
 package session
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"io"
 	"net"
@@ -10,6 +12,8 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/queue"
 	"github.com/stretchr/testify/require"
 )
 
@@ -289,4 +293,33 @@ func TestConfigValidate(t *testing.T) {
 		require.Equal(t, tc.field, ce.Field)
 	}
 	require.NoError(t, (&Config{}).Validate())
+}
+
+// TestEmptyFirstSlice sends a chain whose first slice holds no bytes, as a
+// peer may (docs/protocol.md section 2.3): ReadChunk and Read skip it and
+// return the bytes of the next slice, not (0 bytes, nil) for ever.
+func TestEmptyFirstSlice(t *testing.T) {
+	client, server := pair(t, tinyConfig())
+	c, err := client.OpenStream(t.Context())
+	require.NoError(t, err)
+	s := accept(t, server)
+	mem := client.shm.mem
+	want := bytes.Repeat([]byte("x"), mem.region.MaxSliceSize()+10) // two slices
+	var w buffer.ChainWriter
+	w.Reset(mem.region)
+	_, err = w.Write(want)
+	require.NoError(t, err)
+	head, _ := w.Finish()
+	// Empty the first slice: its size field is at +4 of the slice header.
+	binary.LittleEndian.PutUint32(mem.bufMem[head+4:], 0)
+	full, err := client.put(mem, queue.Event{StreamID: c.ID(), Offset: head})
+	require.NoError(t, err)
+	require.False(t, full)
+	require.NoError(t, client.writeCtl(client.ctl.pollMsg))
+
+	require.NoError(t, s.SetReadDeadline(time.Now().Add(5*time.Second)))
+	b, err := s.ReadChunk(len(want))
+	require.NoError(t, err)
+	require.Equal(t, want[len(want)-10:], b, "the second slice's bytes")
+	s.ReleasePreviousRead()
 }
