@@ -23,14 +23,6 @@ type PeerCred = session.PeerCred
 // (connecting needs write permission).
 const DefaultSocketMode os.FileMode = 0o600
 
-// ErrNotLoopback is returned by Listen for a "tcp", "tcp4" or "tcp6"
-// address that is not, or does not resolve only to, a loopback address
-// ("0.0.0.0:0", ":0", "[::]:0", a LAN address), unless
-// ListenConfig.AllowNonLoopback is set. Shared memory only works between
-// processes on one host, and TCP carries no peer credentials, so a listener
-// reachable from other hosts only widens who can knock.
-var ErrNotLoopback = errors.New("shmlink: TCP listen address is not a loopback address")
-
 // listenerAccess holds a Listener's access-control counters.
 type listenerAccess struct {
 	peersRefused atomic.Uint64 // connections refused for their peer's credentials

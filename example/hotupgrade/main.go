@@ -150,95 +150,24 @@ func runClient(upgrades int, interval time.Duration, workers int) error {
 	}
 	defer os.RemoveAll(dir)
 	sock := filepath.Join(dir, "echo.sock")
-	exe, err := os.Executable()
+	g, pid, err := startGenerations(sock, filepath.Join(dir, "echo.upgrade"))
 	if err != nil {
-		return err
-	}
-	// Every generation writes to this pipe; it ends when all have exited.
-	outR, outW, err := os.Pipe()
-	if err != nil {
-		return err
-	}
-	defer outR.Close()
-	server := exec.Command(exe, "-serve", sock, "-upgrade", filepath.Join(dir, "echo.upgrade"))
-	server.Stdout, server.Stderr = outW, os.Stderr
-	if err := server.Start(); err != nil {
-		outW.Close()
-		return err
-	}
-	lines := make(chan []string, 16)
-	go func() {
-		defer close(lines)
-		sc := bufio.NewScanner(outR)
-		for sc.Scan() {
-			lines <- strings.Fields(sc.Text())
-		}
-	}()
-	srv := &servers{lines: lines}
-	pid, err := srv.wait("ready", 0)
-	if err != nil {
-		outW.Close()
-		server.Process.Kill()
-		server.Wait()
 		return err
 	}
 	fmt.Printf("client pid %d, server pid %d, socket %s\n", os.Getpid(), pid, sock)
 
 	d := &shmlink.Dialer{StreamsPerSession: 2}
-	var (
-		mu       sync.Mutex
-		requests []request
-	)
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for w := range workers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			rng := rand.New(rand.NewPCG(uint64(w), uint64(time.Now().UnixNano())))
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				n := sizes[rng.IntN(len(sizes))]
-				r := request{start: time.Now(), bytes: n}
-				r.err = exchange(d, sock, n, rng.Uint64())
-				r.end = time.Now()
-				mu.Lock()
-				requests = append(requests, r)
-				mu.Unlock()
-			}
-		}()
-	}
-	count := func() (n, errs int) {
-		mu.Lock()
-		defer mu.Unlock()
-		for _, r := range requests {
-			if r.err != nil {
-				errs++
-			}
-		}
-		return len(requests), errs
-	}
-
+	l := startLoad(d, sock, workers)
 	var windows [][2]time.Time
 	for i := 1; i <= upgrades && err == nil; i++ {
 		time.Sleep(interval) // load on the current generation
 		from := time.Now()
-		if err = syscall.Kill(pid, syscall.SIGHUP); err != nil {
-			break
-		}
 		var next int
-		if next, err = srv.wait("ready", i); err != nil {
-			break
-		}
-		if _, err = srv.wait("exit", pid); err != nil {
+		if next, err = g.upgrade(pid, i); err != nil {
 			break
 		}
 		windows = append(windows, [2]time.Time{from, time.Now()})
-		n, errs := count()
+		n, errs := l.count()
 		fmt.Printf("upgrade %d: server pid %d -> %d (epoch %d) in %v; %d requests so far, %d errors\n",
 			i, pid, next, i, time.Since(from).Round(time.Millisecond), n, errs)
 		pid = next
@@ -246,22 +175,161 @@ func runClient(upgrades int, interval time.Duration, workers int) error {
 	if err == nil {
 		time.Sleep(interval) // load on the last generation
 	}
-	close(stop)
-	wg.Wait()
+	requests := l.stop()
 	d.Close()
-	syscall.Kill(pid, syscall.SIGTERM)
-	if _, werr := srv.wait("exit", pid); err == nil {
+	if werr := g.stop(pid); err == nil {
 		err = werr
 	}
-	outW.Close()
-	for range lines { // until every generation has exited
+	errs := report(requests, windows)
+	if err == nil && errs > 0 {
+		err = fmt.Errorf("%d requests failed", errs)
 	}
-	if werr := server.Wait(); err == nil {
-		err = werr
+	if err == nil && len(windows) < upgrades {
+		err = fmt.Errorf("only %d of %d upgrades done", len(windows), upgrades)
 	}
+	return err
+}
 
+// generations is the first server process and the generations that
+// follow it, as seen through the pipe they all print their events to.
+type generations struct {
+	first *exec.Cmd
+	outW  *os.File // the pipe's write end, closed by stop
+	*servers
+}
+
+// startGenerations starts the first server generation on sock with the
+// upgrade socket usock, and returns it and its pid once it is ready.
+func startGenerations(sock, usock string) (*generations, int, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, 0, err
+	}
+	// Every generation writes to this pipe; it ends when all have exited.
+	outR, outW, err := os.Pipe()
+	if err != nil {
+		return nil, 0, err
+	}
+	server := exec.Command(exe, "-serve", sock, "-upgrade", usock)
+	server.Stdout, server.Stderr = outW, os.Stderr
+	if err := server.Start(); err != nil {
+		outR.Close()
+		outW.Close()
+		return nil, 0, err
+	}
+	lines := make(chan []string, 16)
+	go func() {
+		defer close(lines)
+		defer outR.Close()
+		sc := bufio.NewScanner(outR)
+		for sc.Scan() {
+			lines <- strings.Fields(sc.Text())
+		}
+	}()
+	g := &generations{first: server, outW: outW, servers: &servers{lines: lines}}
+	pid, err := g.wait("ready", 0)
+	if err != nil {
+		outW.Close()
+		server.Process.Kill()
+		server.Wait()
+		for range lines {
+		}
+		return nil, 0, err
+	}
+	return g, pid, nil
+}
+
+// upgrade sends SIGHUP to the server of pid and waits until the
+// generation of epoch is ready and pid has exited; it returns the new pid.
+func (g *generations) upgrade(pid, epoch int) (int, error) {
+	if err := syscall.Kill(pid, syscall.SIGHUP); err != nil {
+		return 0, err
+	}
+	next, err := g.wait("ready", epoch)
+	if err != nil {
+		return 0, err
+	}
+	_, err = g.wait("exit", pid)
+	return next, err
+}
+
+// stop ends the last generation, of pid, and waits until every
+// generation has exited.
+func (g *generations) stop(pid int) error {
+	syscall.Kill(pid, syscall.SIGTERM)
+	_, err := g.wait("exit", pid)
+	g.outW.Close()
+	for range g.lines { // until every generation has exited
+	}
+	if werr := g.first.Wait(); err == nil {
+		err = werr
+	}
+	return err
+}
+
+// load is the client's workers, each sending echo requests one after the
+// other until stop.
+type load struct {
+	quit chan struct{}
+	wg   sync.WaitGroup
+
+	mu       sync.Mutex
+	requests []request
+}
+
+// startLoad starts workers workers sending requests of random sizes to
+// sock through d.
+func startLoad(d *shmlink.Dialer, sock string, workers int) *load {
+	l := &load{quit: make(chan struct{})}
+	for w := range workers {
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), uint64(time.Now().UnixNano())))
+			for {
+				select {
+				case <-l.quit:
+					return
+				default:
+				}
+				n := sizes[rng.IntN(len(sizes))]
+				r := request{start: time.Now(), bytes: n}
+				r.err = exchange(d, sock, n, rng.Uint64())
+				r.end = time.Now()
+				l.mu.Lock()
+				l.requests = append(l.requests, r)
+				l.mu.Unlock()
+			}
+		}()
+	}
+	return l
+}
+
+// count returns the number of requests done so far, and of those failed.
+func (l *load) count() (n, errs int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, r := range l.requests {
+		if r.err != nil {
+			errs++
+		}
+	}
+	return len(l.requests), errs
+}
+
+// stop stops the workers, waits for their last requests and returns all.
+func (l *load) stop() []request {
+	close(l.quit)
+	l.wg.Wait()
+	return l.requests
+}
+
+// report prints the requests done, the bytes echoed, the first errors and
+// the latency during the upgrade windows and overall, and returns the
+// number of failed requests.
+func report(requests []request, windows [][2]time.Time) (errs int) {
 	var during, all []time.Duration
-	total, errs := 0, 0
+	total := 0
 	for _, r := range requests {
 		if r.err != nil {
 			if errs < 10 {
@@ -284,13 +352,7 @@ func runClient(upgrades int, interval time.Duration, workers int) error {
 		len(requests), total>>20, errs, len(windows))
 	fmt.Printf("latency during upgrades: %s\n", stats(during))
 	fmt.Printf("latency overall:         %s\n", stats(all))
-	if err == nil && errs > 0 {
-		err = fmt.Errorf("%d requests failed", errs)
-	}
-	if err == nil && len(windows) < upgrades {
-		err = fmt.Errorf("only %d of %d upgrades done", len(windows), upgrades)
-	}
-	return err
+	return errs
 }
 
 // exchange runs one request of n bytes on a new stream: it sends a

@@ -276,7 +276,31 @@ func runClient(out io.Writer, mt shmlink.MemoryType, serverCmd func(dir string) 
 	// The host is a label: every connection goes to the socket.
 	const base = "http://shmlink"
 
-	if err := checkHellos(c, base, server.Process.Pid); err != nil {
+	if err := exchange(out, c, base, server.Process.Pid); err != nil {
+		return err
+	}
+
+	// Stop: close our streams and sessions, then the server's stdin.
+	tr.CloseIdleConnections()
+	d.Close()
+	stdin.Close()
+	io.Copy(out, serverOut)
+	waited = true
+	if err := server.Wait(); err != nil {
+		return fmt.Errorf("server: %w", err)
+	}
+	if err := checkEmpty(dir); err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "ok: every response checked, %s left empty\n", dir)
+	return nil
+}
+
+// exchange runs the checks through c on the server of pid at base:
+// concurrent GETs, an upload and a streamed download. It prints to out
+// what each did.
+func exchange(out io.Writer, c *http.Client, base string, pid int) error {
+	if err := checkHellos(c, base, pid); err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "GET  /hello/{0..%d}  %d concurrent responses checked\n", numGets-1, numGets)
@@ -295,16 +319,11 @@ func runClient(out io.Writer, mt shmlink.MemoryType, serverCmd func(dir string) 
 	}
 	fmt.Fprintf(out, "GET  /stream       %d chunks x %d KiB streamed in %v, every byte checked, trailer sha256 matches\n",
 		streamChunks, chunkSize>>10, time.Since(start).Round(time.Millisecond))
+	return nil
+}
 
-	// Stop: close our streams and sessions, then the server's stdin.
-	tr.CloseIdleConnections()
-	d.Close()
-	stdin.Close()
-	io.Copy(out, serverOut)
-	waited = true
-	if err := server.Wait(); err != nil {
-		return fmt.Errorf("server: %w", err)
-	}
+// checkEmpty returns an error naming the files left in dir, if any.
+func checkEmpty(dir string) error {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return err
@@ -316,7 +335,6 @@ func runClient(out io.Writer, mt shmlink.MemoryType, serverCmd func(dir string) 
 		}
 		return fmt.Errorf("files left in %s: %q", dir, names)
 	}
-	fmt.Fprintf(out, "ok: every response checked, %s left empty\n", dir)
 	return nil
 }
 

@@ -24,3 +24,9 @@ func ListenUnix(path string, mode os.FileMode) (*net.UnixListener, error) {
 	}
 	return ln, nil
 }
+
+// SendListeners returns ErrUnsupported on this platform.
+func SendListeners(c *net.UnixConn, lns ...net.Listener) error { return ErrUnsupported }
+
+// RecvListeners returns ErrUnsupported on this platform.
+func RecvListeners(c *net.UnixConn, n int) ([]net.Listener, error) { return nil, ErrUnsupported }

@@ -1,0 +1,372 @@
+package shmlink
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/shmlink/shmlink/session"
+)
+
+// Dial connects to a shmlink listener with a new session of the default
+// Config and returns one stream on it; closing the stream ends the session.
+// Use a Dialer to reuse sessions for many streams.
+func Dial(network, address string) (net.Conn, error) {
+	return DialContext(context.Background(), network, address)
+}
+
+// DialContext is Dial with a context that bounds the connection and the
+// handshake.
+func DialContext(ctx context.Context, network, address string) (net.Conn, error) {
+	s, err := dialSession(ctx, nil, network, address)
+	if err != nil {
+		return nil, err
+	}
+	st, err := s.OpenStream(ctx)
+	if err != nil {
+		s.Close()
+		return nil, err
+	}
+	s.CloseWhenIdle()
+	return st, nil
+}
+
+// dialSession connects to network and address and runs the client
+// handshake with cfg (nil: the defaults), bounded by ctx's deadline too. It
+// returns the session, owned by the caller, or ErrNetwork (wrapped), the
+// dial error or the handshake error.
+func dialSession(ctx context.Context, cfg *Config, network, address string) (*session.Session, error) {
+	if err := checkNetwork(network); err != nil {
+		return nil, err
+	}
+	var nd net.Dialer
+	conn, err := nd.DialContext(ctx, network, address)
+	if err != nil {
+		return nil, err
+	}
+	if dl, ok := ctx.Deadline(); ok {
+		c := session.Config{}
+		if cfg != nil {
+			c = *cfg
+		}
+		if d := time.Until(dl); c.HandshakeTimeout == 0 || d < c.HandshakeTimeout {
+			c.HandshakeTimeout = max(d, 1)
+		}
+		cfg = &c
+	}
+	return session.Client(conn, cfg)
+}
+
+// Defaults of a Dialer's session pool.
+const (
+	// DefaultMaxSessions is the most sessions a Dialer keeps per address.
+	DefaultMaxSessions = 4
+	// DefaultStreamsPerSession is the number of streams on each of its
+	// sessions at which a Dialer opens another session to the address.
+	DefaultStreamsPerSession = 256
+	// DefaultIdleTimeout is how long a Dialer keeps a session without any
+	// stream before closing it.
+	DefaultIdleTimeout = 90 * time.Second
+
+	// maxDrainingPicks bounds how often one Dialer.DialContext picks again
+	// after its session turned out to be draining.
+	maxDrainingPicks = 8
+)
+
+// Dialer opens streams to shmlink listeners over a small pool of sessions
+// per address, so that many dials share a few handshakes and buffer
+// regions, and dialing and closing a stream costs no system call beyond
+// the wakeups. A Dial uses the session with the fewest streams; once every
+// session has StreamsPerSession streams or more it opens another, up to
+// MaxSessions, and then keeps spreading over those. Stream ids are reused:
+// a closed stream's id returns to its session by itself once the server
+// closed the stream too. A session idle for IdleTimeout is closed.
+//
+// A session whose server announces a hot restart (docs/protocol.md
+// section 7; ListenConfig.UpgradeSocket) takes no new stream and no longer
+// counts against MaxSessions: the next dial opens a session to the new
+// server process, with the epoch in its shared-memory names, while the
+// streams in flight finish on the old one, which then acknowledges and
+// ends.
+//
+// The zero value is ready to use. A Dialer is safe for concurrent use; its
+// fields must not change after the first Dial. Close it to end its
+// sessions.
+type Dialer struct {
+	// Config is used for every session the Dialer creates; nil means the
+	// defaults.
+	Config *Config
+
+	// MaxSessions is the most sessions the Dialer keeps per network and
+	// address. Zero means DefaultMaxSessions (4); negative is invalid.
+	MaxSessions int
+
+	// StreamsPerSession is the number of open streams (including ones
+	// waiting for the server's close) on every session at which a Dial
+	// opens another session, while there are fewer than MaxSessions. It is
+	// a threshold, not a cap: at MaxSessions, streams keep going to the
+	// least loaded session. Zero means DefaultStreamsPerSession (256);
+	// negative is invalid.
+	StreamsPerSession int
+
+	// IdleTimeout is how long a session without any stream is kept before
+	// the Dialer closes it. Zero means DefaultIdleTimeout (90 s); negative
+	// means sessions are kept until Close.
+	IdleTimeout time.Duration
+
+	mu     sync.Mutex
+	pools  map[string]*sessionPool // by network + " " + address
+	closed bool
+}
+
+// sessionPool is a Dialer's sessions to one address.
+type sessionPool struct {
+	sessions []*session.Session
+	dial     *dialCall // the dial in progress, if any
+	// draining holds the sessions whose server announced a hot restart:
+	// no new stream goes to them, and they end by themselves once their
+	// last stream is done; epoch is the last such epoch, which new
+	// sessions name their shared memory with (Config.Epoch).
+	draining []*session.Session
+	epoch    uint64
+}
+
+// dialCall is one dial of a new session, shared by the dials waiting on it.
+type dialCall struct {
+	done chan struct{} // closed when err is set
+	err  error
+}
+
+// leastLoaded drops the sessions that ended, sets those draining for a hot
+// restart aside, and returns the one with the fewest streams of the others
+// and that number, or nil when none is left.
+func (p *sessionPool) leastLoaded() (*session.Session, int) {
+	p.pruneDraining()
+	live := p.sessions[:0]
+	var best *session.Session
+	load := 0
+	for _, s := range p.sessions {
+		if s.Err() != nil {
+			continue
+		}
+		if p.retireDraining(s) {
+			continue
+		}
+		live = append(live, s)
+		if n := s.NumStreams(); best == nil || n < load {
+			best, load = s, n
+		}
+	}
+	clear(p.sessions[len(live):])
+	p.sessions = live
+	return best, load
+}
+
+// validate checks the Dialer's fields and its Config.
+func (d *Dialer) validate() error {
+	switch {
+	case d.MaxSessions < 0:
+		return &session.ConfigError{Field: "Dialer.MaxSessions", Reason: "negative"}
+	case d.StreamsPerSession < 0:
+		return &session.ConfigError{Field: "Dialer.StreamsPerSession", Reason: "negative"}
+	}
+	if d.Config != nil {
+		return d.Config.Validate()
+	}
+	return nil
+}
+
+// Dial opens a stream to address; see DialContext.
+func (d *Dialer) Dial(network, address string) (net.Conn, error) {
+	return d.DialContext(context.Background(), network, address)
+}
+
+// DialContext opens a stream to network ("unix" or "tcp") and address on
+// one of the Dialer's sessions, dialing and handshaking a new session when
+// the pool calls for one (see Dialer). Concurrent dials share one
+// handshake. The stream is announced to the server, whose Accept returns
+// it before any byte is written. It returns ErrNetwork for other networks,
+// a *ConfigError for a bad field, an error satisfying errors.Is(err,
+// net.ErrClosed) after Close, ctx.Err() when ctx is done first, and the
+// dial or handshake error.
+func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
+	if err := checkNetwork(network); err != nil {
+		return nil, err
+	}
+	if err := d.validate(); err != nil {
+		return nil, err
+	}
+	key := network + " " + address
+	var err error
+	for ended, draining := 0, 0; ended < 3 && draining < maxDrainingPicks; {
+		var s *session.Session
+		if s, err = d.pick(ctx, key, network, address); err != nil {
+			return nil, err
+		}
+		var st *Stream
+		if st, err = s.OpenStream(ctx); err == nil {
+			return st, nil
+		}
+		switch {
+		case ctx.Err() != nil:
+			return nil, err
+		case errors.Is(err, session.ErrDraining):
+			// The server handed over to a new process since the session
+			// was picked: pick again, which dials the new process.
+			draining++
+		case s.Err() != nil:
+			// The session ended since it was picked (idle timeout, peer
+			// gone): pick again.
+			ended++
+		default:
+			return nil, err
+		}
+	}
+	return nil, err
+}
+
+// pick returns the session for the next stream to key, dialing one when
+// the pool has none or all its sessions are loaded and it may grow.
+func (d *Dialer) pick(ctx context.Context, key, network, address string) (*session.Session, error) {
+	maxSessions := cmp.Or(d.MaxSessions, DefaultMaxSessions)
+	perSession := cmp.Or(d.StreamsPerSession, DefaultStreamsPerSession)
+	for {
+		d.mu.Lock()
+		if d.closed {
+			d.mu.Unlock()
+			return nil, errDialerClosed
+		}
+		if d.pools == nil {
+			d.pools = make(map[string]*sessionPool)
+		}
+		p := d.pools[key]
+		if p == nil {
+			p = &sessionPool{}
+			d.pools[key] = p
+		}
+		best, load := p.leastLoaded()
+		if best != nil && (load < perSession || p.dial != nil || len(p.sessions) >= maxSessions) {
+			d.mu.Unlock()
+			return best, nil
+		}
+		if call := p.dial; call != nil {
+			// No session yet: wait for the dial in progress.
+			d.mu.Unlock()
+			select {
+			case <-call.done:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			if call.err != nil && !errors.Is(call.err, context.Canceled) && !errors.Is(call.err, context.DeadlineExceeded) {
+				return nil, call.err
+			}
+			continue // it succeeded, or failed for its own context
+		}
+		call := &dialCall{done: make(chan struct{})}
+		p.dial = call
+		cfg := withEpoch(d.Config, p.epoch)
+		d.mu.Unlock()
+
+		s, err := dialSession(ctx, cfg, network, address)
+		d.mu.Lock()
+		p.dial = nil
+		switch {
+		case err != nil:
+		case d.closed:
+			err = errDialerClosed
+		default:
+			s.SetIdleTimeout(cmp.Or(d.IdleTimeout, DefaultIdleTimeout))
+			p.sessions = append(p.sessions, s)
+		}
+		if len(p.sessions) == 0 && len(p.draining) == 0 && d.pools[key] == p {
+			delete(d.pools, key)
+		}
+		call.err = err
+		d.mu.Unlock()
+		close(call.done)
+		if err != nil {
+			if s != nil {
+				s.Close()
+			}
+			return nil, err
+		}
+		return s, nil
+	}
+}
+
+// Close ends every session of the Dialer, with all their streams, and makes
+// later dials fail with an error satisfying errors.Is(err, net.ErrClosed).
+// A dial in progress closes its session when it completes. Close returns
+// nil.
+func (d *Dialer) Close() error {
+	d.mu.Lock()
+	d.closed = true
+	pools := d.pools
+	d.pools = nil
+	d.mu.Unlock()
+	for _, p := range pools {
+		for _, s := range p.sessions {
+			s.Close()
+		}
+		for _, s := range p.draining {
+			s.Close()
+		}
+	}
+	return nil
+}
+
+// NumSessions returns the number of live sessions the Dialer holds, over
+// all addresses.
+func (d *Dialer) NumSessions() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := 0
+	for key, p := range d.pools {
+		p.leastLoaded()
+		if len(p.sessions) == 0 && len(p.draining) == 0 && p.dial == nil {
+			delete(d.pools, key)
+		}
+		n += len(p.sessions) + len(p.draining)
+	}
+	return n
+}
+
+// withEpoch returns cfg with Epoch set to epoch, copying it if needed.
+func withEpoch(cfg *Config, epoch uint64) *Config {
+	if epoch == 0 {
+		return cfg
+	}
+	var c Config
+	if cfg != nil {
+		c = *cfg
+	}
+	c.Epoch = epoch
+	return &c
+}
+
+// retireDraining sets s aside in p.draining if its server announced a hot
+// restart, and reports whether it did: no new stream goes to s.
+func (p *sessionPool) retireDraining(s *session.Session) bool {
+	epoch, ok := s.HotRestartEpoch()
+	if !ok {
+		return false
+	}
+	p.epoch = max(p.epoch, epoch)
+	p.draining = append(p.draining, s)
+	return true
+}
+
+// pruneDraining forgets the draining sessions that have ended.
+func (p *sessionPool) pruneDraining() {
+	live := p.draining[:0]
+	for _, s := range p.draining {
+		if s.Err() == nil {
+			live = append(live, s)
+		}
+	}
+	clear(p.draining[len(live):])
+	p.draining = live
+}

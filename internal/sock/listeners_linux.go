@@ -1,0 +1,107 @@
+//go:build linux
+
+package sock
+
+import (
+	"fmt"
+	"net"
+	"os"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// SendListeners sends the descriptors of lns over c in one sendmsg: one
+// data byte 0x00 and one SCM_RIGHTS control message listing them in order.
+// The listeners stay open and owned by the caller; the receiver gets its
+// own descriptors of the same sockets. It returns an error for a listener
+// without a descriptor (not a syscall.Conn), and the sendmsg error.
+func SendListeners(c *net.UnixConn, lns ...net.Listener) error {
+	fds := make([]int, 0, len(lns))
+	// Each descriptor is only valid inside its listener's Control callback,
+	// so the callbacks nest and the message goes out from the innermost.
+	var send func(i int) error
+	send = func(i int) error {
+		if i == len(lns) {
+			_, _, err := c.WriteMsgUnix([]byte{0}, unix.UnixRights(fds...), nil)
+			return err
+		}
+		sc, ok := lns[i].(syscall.Conn)
+		if !ok {
+			return fmt.Errorf("sock: a %T has no descriptor to send", lns[i])
+		}
+		rc, err := sc.SyscallConn()
+		if err != nil {
+			return err
+		}
+		var serr error
+		if err := rc.Control(func(fd uintptr) {
+			fds = append(fds, int(fd))
+			serr = send(i + 1)
+		}); err != nil {
+			return err
+		}
+		return serr
+	}
+	return send(0)
+}
+
+// RecvListeners receives one message of at least one data byte carrying
+// exactly n descriptors of listening sockets over c, as SendListeners
+// sends it, and returns them as listeners in the order sent. The caller
+// owns the listeners and must Close them; the received descriptors are
+// closed (net.FileListener keeps its own). A message with another number
+// of descriptors, or several control messages, gets ErrBadRights; a
+// descriptor that is not a listening socket gets net.FileListener's
+// error. On any error, everything received is closed.
+func RecvListeners(c *net.UnixConn, n int) ([]net.Listener, error) {
+	fds, err := recvFds(c, n)
+	if err != nil {
+		return nil, err
+	}
+	lns := make([]net.Listener, 0, n)
+	for i, fd := range fds {
+		f := os.NewFile(uintptr(fd), fmt.Sprintf("listener %d", i))
+		ln, err := net.FileListener(f)
+		f.Close()
+		if err != nil {
+			for _, fd := range fds[i+1:] {
+				unix.Close(fd)
+			}
+			for _, ln := range lns {
+				ln.Close()
+			}
+			return nil, fmt.Errorf("sock: descriptor %d received: %w", i, err)
+		}
+		lns = append(lns, ln)
+	}
+	return lns, nil
+}
+
+// recvFds receives one message of at least one data byte carrying exactly
+// want descriptors, close-on-exec (the net package receives with
+// MSG_CMSG_CLOEXEC) and owned by the caller; otherwise ErrBadRights, and
+// every descriptor that arrived is closed.
+func recvFds(c *net.UnixConn, want int) ([]int, error) {
+	var data [1]byte
+	oob := make([]byte, unix.CmsgSpace(4*(want+8)))
+	n, oobn, flags, _, err := c.ReadMsgUnix(data[:], oob)
+	if err != nil {
+		return nil, err
+	}
+	msgs, perr := unix.ParseSocketControlMessage(oob[:oobn])
+	var fds []int
+	for _, m := range msgs {
+		if got, err := unix.ParseUnixRights(&m); err == nil {
+			fds = append(fds, got...)
+		}
+	}
+	if n != 1 || perr != nil || flags&unix.MSG_CTRUNC != 0 || len(msgs) != 1 || len(fds) != want {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+		return nil, fmt.Errorf("%w: %d data bytes, %d control messages, %d descriptors, want 1 and %d",
+			ErrBadRights, n, len(msgs), len(fds), want)
+	}
+	return fds, nil
+}

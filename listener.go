@@ -1,0 +1,407 @@
+package shmlink
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/shmlink/shmlink/internal/upgrade"
+	"github.com/shmlink/shmlink/session"
+)
+
+// Stream is one net.Conn stream of a session, with the zero-copy API
+// (Reserve/Flush, Peek/ReadBytes/Discard/ReleasePreviousRead). Accept and
+// Dial return *Stream values as net.Conn.
+type Stream = session.Stream
+
+// DefaultDrainTimeout is how long, by default, a listener that handed its
+// socket over waits for its sessions to end (ListenConfig.DrainTimeout).
+const DefaultDrainTimeout = 10 * time.Second
+
+// checkNetwork returns nil for the networks shmlink runs on, else an error
+// wrapping ErrNetwork.
+func checkNetwork(network string) error {
+	switch network {
+	case "unix", "tcp", "tcp4", "tcp6":
+		return nil
+	}
+	return fmt.Errorf("%w: %q", ErrNetwork, network)
+}
+
+// Listen listens for shmlink clients on a Unix socket path or a TCP address
+// and returns a listener whose Accept returns their streams, using the
+// default Config. See ListenConfig.Listen.
+func Listen(network, address string) (net.Listener, error) {
+	var lc ListenConfig
+	return lc.Listen(context.Background(), network, address)
+}
+
+// ListenConfig holds the options of a listener.
+type ListenConfig struct {
+	// Config is used for every session the listener accepts; nil means the
+	// defaults. It is copied by Listen. Its AllowUIDs or PeerCheck decide
+	// which clients of a "unix" listener are served (by default: processes
+	// of this process's uid); a refused client's connection is closed,
+	// logged and counted (Listener.PeersRefused).
+	Config *Config
+
+	// SocketMode is the permission bits of a "unix" listener's socket file;
+	// a client needs write permission on it to connect. Zero means
+	// DefaultSocketMode (0600: the owner only); bits other than 0777 are a
+	// *ConfigError. The mode is set exactly, whatever the umask, and before
+	// the socket listens, so that no client can connect under another mode.
+	// Abstract sockets ("@name") have no file and ignore it.
+	SocketMode os.FileMode
+
+	// AllowNonLoopback lets a "tcp" listener bind an address that is not a
+	// loopback address, such as "0.0.0.0:0", ":0" or a LAN address. By
+	// default Listen refuses those with ErrNotLoopback: TCP carries no peer
+	// credentials, and shared memory needs both processes on one host.
+	AllowNonLoopback bool
+
+	// UpgradeSocket, if set, is the path of a Unix socket through which
+	// generations of the server hand the listener over (hot upgrade;
+	// docs/protocol.md section 7). If a live process owns it, Listen takes
+	// that process's listening socket over instead of listening afresh,
+	// and that process drains its sessions and then reports Upgraded.
+	// Otherwise Listen listens afresh. Either way the listener then serves
+	// UpgradeSocket for the next generation.
+	UpgradeSocket string
+
+	// DrainTimeout is how long a listener that handed its socket over
+	// waits for its sessions to acknowledge the hot restart and end before
+	// it closes those left. Zero means DefaultDrainTimeout (10 s);
+	// negative is invalid. Only used with UpgradeSocket.
+	DrainTimeout time.Duration
+}
+
+// Listen listens on network ("unix" or "tcp") at address. Every client
+// connection runs its handshake in its own goroutine, bounded by
+// Config.HandshakeTimeout, so a slow or silent client never delays others;
+// a failed handshake closes that connection and is logged to
+// Config.Logger. A "unix" socket file gets SocketMode; a "tcp" address must
+// be loopback unless AllowNonLoopback. It returns ErrNetwork for other
+// networks, a *ConfigError for a bad Config or SocketMode, ErrNotLoopback
+// (wrapped) for a refused TCP address, and net.Listen's errors. With
+// UpgradeSocket it takes the listener of a running process over
+// (docs/protocol.md section 7), and returns ErrUpgradeInProgress (wrapped)
+// if that process is busy with another upgrade, and the handover's errors
+// (wrapped), in which case the running process goes on serving.
+func (lc *ListenConfig) Listen(ctx context.Context, network, address string) (*Listener, error) {
+	if err := checkNetwork(network); err != nil {
+		return nil, err
+	}
+	var cfg Config
+	if lc.Config != nil {
+		if err := lc.Config.Validate(); err != nil {
+			return nil, err
+		}
+		cfg = *lc.Config
+	}
+	if lc.UpgradeSocket != "" {
+		return lc.listenUpgradable(ctx, network, address, cfg)
+	}
+	ln, err := lc.listen(ctx, network, address)
+	if err != nil {
+		return nil, err
+	}
+	return newListener(ln, cfg, nil), nil
+}
+
+// listenUpgradable is Listen with an UpgradeSocket: take the listener over
+// from the process that owns the socket, or listen afresh if none does.
+func (lc *ListenConfig) listenUpgradable(ctx context.Context, network, address string, cfg Config) (*Listener, error) {
+	switch {
+	case lc.DrainTimeout < 0:
+		return nil, &session.ConfigError{Field: "ListenConfig.DrainTimeout", Reason: "negative"}
+	case network == "unix" && address == lc.UpgradeSocket:
+		return nil, &session.ConfigError{Field: "ListenConfig.UpgradeSocket", Reason: "the listening address itself"}
+	}
+	ucfg := upgrade.Config{
+		Path:         lc.UpgradeSocket,
+		Network:      network,
+		Address:      address,
+		DrainTimeout: cmp.Or(lc.DrainTimeout, DefaultDrainTimeout),
+		Logger:       cfg.Logger,
+	}
+	ln, up, err := upgrade.TakeOver(ctx, ucfg, lc.checkTakenOver)
+	if errors.Is(err, upgrade.ErrNoOwner) {
+		ln, up, err = upgrade.Listen(ucfg, func() (net.Listener, error) {
+			return lc.listen(ctx, network, address)
+		})
+	}
+	if err != nil {
+		return nil, err
+	}
+	l := newListener(ln, cfg, up)
+	up.Start(handover{l})
+	return l, nil
+}
+
+// checkTakenOver refuses a TCP listener taken over that is not on a
+// loopback address, unless AllowNonLoopback.
+func (lc *ListenConfig) checkTakenOver(ln net.Listener) error {
+	if ta, ok := ln.Addr().(*net.TCPAddr); ok && !lc.AllowNonLoopback && !ta.IP.IsLoopback() {
+		return fmt.Errorf("%w: the running listener is at %v", ErrNotLoopback, ta)
+	}
+	return nil
+}
+
+// Listener accepts streams from any number of client processes. It is a
+// net.Listener; Accept returns *Stream values.
+type Listener struct {
+	ln  net.Listener
+	cfg Config
+	up  *upgrade.Upgrader // hot upgrade; nil without ListenConfig.UpgradeSocket
+
+	mu       sync.Mutex
+	sessions map[*session.Session]struct{}
+	err      error  // why Accept fails, if not Close: the socket's error, or ErrUpgraded
+	handedTo uint64 // the new process's epoch once the socket was handed over, else 0
+
+	accepts    chan *Stream
+	acceptDone chan struct{} // closed when acceptLoop has returned
+	// ctx is done when Accept must stop (Close, a failed socket, or
+	// drained after a handover); stop cancels it.
+	ctx       context.Context
+	stop      context.CancelFunc
+	closeOnce sync.Once
+	wg        sync.WaitGroup // acceptLoop and serve
+	access    listenerAccess
+}
+
+// newListener starts a Listener accepting on ln; up is its hot-upgrade
+// side, nil without ListenConfig.UpgradeSocket, which the caller starts.
+func newListener(ln net.Listener, cfg Config, up *upgrade.Upgrader) *Listener {
+	l := &Listener{
+		ln:         ln,
+		cfg:        cfg,
+		up:         up,
+		sessions:   make(map[*session.Session]struct{}),
+		accepts:    make(chan *Stream),
+		acceptDone: make(chan struct{}),
+	}
+	l.ctx, l.stop = context.WithCancel(context.Background())
+	l.wg.Add(1)
+	go l.acceptLoop()
+	return l
+}
+
+// Addr returns the listener's network address.
+func (l *Listener) Addr() net.Addr { return l.ln.Addr() }
+
+// Accept waits for the next stream opened by any client and returns it. It
+// returns an error satisfying errors.Is(err, net.ErrClosed) after Close,
+// or wrapping ErrUpgraded (which satisfies it too) once the listener has
+// handed over to a new process and drained, and the underlying listener's
+// error if that failed.
+func (l *Listener) Accept() (net.Conn, error) {
+	select {
+	case <-l.ctx.Done():
+	default:
+		select {
+		case st := <-l.accepts:
+			return st, nil
+		case <-l.ctx.Done():
+		}
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.err != nil {
+		return nil, l.err
+	}
+	return nil, l.closedError("accept", net.ErrClosed)
+}
+
+// closedError is the error of op on a listener closed for err.
+func (l *Listener) closedError(op string, err error) error {
+	return &net.OpError{Op: op, Net: l.ln.Addr().Network(), Addr: l.ln.Addr(), Err: err}
+}
+
+// Close stops listening and closes every session the listener accepted,
+// with all their streams; it waits for the listener's goroutines and
+// returns the error of closing the socket. Later calls return an error
+// satisfying errors.Is(err, net.ErrClosed), like a net.Listener's.
+func (l *Listener) Close() error {
+	err := l.closedError("close", net.ErrClosed)
+	l.closeOnce.Do(func() {
+		l.stop()
+		if l.up != nil {
+			l.up.Stop()
+		}
+		err = l.ln.Close()
+		l.mu.Lock()
+		if l.handedTo != 0 {
+			err = nil // closed by the handover already: no error
+		}
+		l.mu.Unlock()
+		l.closeSessions()
+		l.wg.Wait()
+		if l.up != nil {
+			l.up.Close()
+		}
+	})
+	return err
+}
+
+// liveSessions returns the sessions the listener tracks.
+func (l *Listener) liveSessions() []*session.Session {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	sessions := make([]*session.Session, 0, len(l.sessions))
+	for s := range l.sessions {
+		sessions = append(sessions, s)
+	}
+	return sessions
+}
+
+// closeSessions closes every session the listener tracks and returns how
+// many.
+func (l *Listener) closeSessions() int {
+	sessions := l.liveSessions()
+	for _, s := range sessions {
+		s.Close()
+	}
+	return len(sessions)
+}
+
+// NumSessions returns the number of live sessions the listener tracks.
+func (l *Listener) NumSessions() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.sessions)
+}
+
+// Upgraded returns a channel that is closed once a new process has taken
+// the listener over through ListenConfig.UpgradeSocket and this listener
+// has drained: every session acknowledged the hot restart and ended, or
+// DrainTimeout passed and the rest were closed (or Close was called
+// meanwhile). Accept then returns ErrUpgraded, and the process may Close
+// the listener and exit. Without UpgradeSocket it returns nil, a channel
+// that never fires.
+func (l *Listener) Upgraded() <-chan struct{} {
+	if l.up == nil {
+		return nil
+	}
+	return l.up.Upgraded()
+}
+
+// Epoch returns the listener's generation: 0 for a listener that listened
+// afresh (or without UpgradeSocket), and its predecessor's plus one for a
+// listener that took one over. Sessions dialed after the hot restart name
+// their shared memory with it (Config.Epoch).
+func (l *Listener) Epoch() uint64 {
+	if l.up == nil {
+		return 0
+	}
+	return l.up.Epoch()
+}
+
+// acceptLoop accepts connections and serves each in its own goroutine
+// until the socket fails, is closed, or is handed over.
+func (l *Listener) acceptLoop() {
+	defer l.wg.Done()
+	defer close(l.acceptDone)
+	for {
+		conn, err := l.ln.Accept()
+		if err != nil {
+			l.mu.Lock()
+			if l.ctx.Err() == nil && l.handedTo == 0 { // else closed, or the new process accepts now
+				l.err = err
+				l.stop()
+			}
+			l.mu.Unlock()
+			return
+		}
+		l.wg.Add(1)
+		go l.serve(conn)
+	}
+}
+
+// serve runs the handshake on conn and then hands the session's streams to
+// Accept until the session ends or the listener closes.
+func (l *Listener) serve(conn net.Conn) {
+	defer l.wg.Done()
+	s, err := session.Server(conn, &l.cfg)
+	if err != nil {
+		l.handshakeFailed(conn, err)
+		return
+	}
+	l.mu.Lock()
+	if l.ctx.Err() != nil {
+		l.mu.Unlock()
+		s.Close()
+		return
+	}
+	l.sessions[s] = struct{}{}
+	epoch := l.handedTo
+	l.mu.Unlock()
+	if epoch != 0 {
+		s.SendHotRestart(epoch) // handed over meanwhile: its client must move too
+	}
+	defer func() {
+		l.mu.Lock()
+		delete(l.sessions, s)
+		l.mu.Unlock()
+		// Close may have collected the sessions after this one left the
+		// set: a listener that is done ends the session here too.
+		if l.ctx.Err() != nil {
+			s.Close()
+		}
+	}()
+	for {
+		st, err := s.AcceptStream(l.ctx)
+		if err != nil {
+			// The session ended (its streams live on until closed) or the
+			// listener closed (Close closes the session).
+			return
+		}
+		select {
+		case l.accepts <- st:
+		case <-l.ctx.Done():
+			st.Close()
+			return
+		}
+	}
+}
+
+// handover is a Listener as its Upgrader drives it (upgrade.Listener).
+type handover struct{ l *Listener }
+
+// HandOver stops accepting and sends HotRestart{epoch} on every session,
+// and on every later one (serve).
+func (h handover) HandOver(epoch uint64) <-chan struct{} {
+	l := h.l
+	l.mu.Lock()
+	l.handedTo = epoch
+	l.mu.Unlock()
+	l.ln.Close() // our descriptor: the socket lives on in the new process
+	<-l.acceptDone
+	for _, s := range l.liveSessions() {
+		s.SendHotRestart(epoch) // an error means it has ended anyway
+	}
+	// acceptLoop has returned: wg counts the serve goroutines only, and
+	// no more start. The goroutine ends with the last of them, at the
+	// latest when Close has closed them all.
+	idle := make(chan struct{})
+	go func() { l.wg.Wait(); close(idle) }()
+	return idle
+}
+
+// Drained closes the sessions left and makes Accept return ErrUpgraded.
+func (h handover) Drained() int {
+	l := h.l
+	n := l.closeSessions()
+	l.mu.Lock()
+	if l.err == nil {
+		l.err = l.closedError("accept", ErrUpgraded)
+	}
+	l.mu.Unlock()
+	l.stop()
+	return n
+}
