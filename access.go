@@ -18,10 +18,10 @@ import (
 // Config.PeerCheck; see session.PeerCred.
 type PeerCred = session.PeerCred
 
-// DefaultSocketMode is the permission bits of a Unix listener's socket file
+// defaultSocketMode is the permission bits of a Unix listener's socket file
 // when ListenConfig.SocketMode is zero: read and write for the owner only
 // (connecting needs write permission).
-const DefaultSocketMode os.FileMode = 0o600
+const defaultSocketMode os.FileMode = 0o600
 
 // listenerAccess holds a Listener's access-control counters.
 type listenerAccess struct {
@@ -62,7 +62,7 @@ func (l *Listener) handshakeFailed(conn net.Conn, err error) {
 // again.
 func (lc *ListenConfig) listen(ctx context.Context, network, address string) (net.Listener, error) {
 	if network == "unix" {
-		mode := cmp.Or(lc.SocketMode, DefaultSocketMode)
+		mode := cmp.Or(lc.SocketMode, defaultSocketMode)
 		if mode&^os.ModePerm != 0 {
 			return nil, &session.ConfigError{Field: "ListenConfig.SocketMode",
 				Reason: fmt.Sprintf("%#o has bits other than the permission bits (0777)", uint32(mode))}

@@ -62,14 +62,14 @@ func dialSession(ctx context.Context, cfg *Config, network, address string) (*se
 
 // Defaults of a Dialer's session pool.
 const (
-	// DefaultMaxSessions is the most sessions a Dialer keeps per address.
-	DefaultMaxSessions = 4
-	// DefaultStreamsPerSession is the number of streams on each of its
+	// defaultMaxSessions is the most sessions a Dialer keeps per address.
+	defaultMaxSessions = 4
+	// defaultStreamsPerSession is the number of streams on each of its
 	// sessions at which a Dialer opens another session to the address.
-	DefaultStreamsPerSession = 256
-	// DefaultIdleTimeout is how long a Dialer keeps a session without any
+	defaultStreamsPerSession = 256
+	// defaultIdleTimeout is how long a Dialer keeps a session without any
 	// stream before closing it.
-	DefaultIdleTimeout = 90 * time.Second
+	defaultIdleTimeout = 90 * time.Second
 
 	// maxDrainingPicks bounds how often one Dialer.DialContext picks again
 	// after its session turned out to be draining.
@@ -101,19 +101,19 @@ type Dialer struct {
 	Config *Config
 
 	// MaxSessions is the most sessions the Dialer keeps per network and
-	// address. Zero means DefaultMaxSessions (4); negative is invalid.
+	// address. Zero means 4; negative is invalid.
 	MaxSessions int
 
 	// StreamsPerSession is the number of open streams (including ones
 	// waiting for the server's close) on every session at which a Dial
 	// opens another session, while there are fewer than MaxSessions. It is
 	// a threshold, not a cap: at MaxSessions, streams keep going to the
-	// least loaded session. Zero means DefaultStreamsPerSession (256);
+	// least loaded session. Zero means 256;
 	// negative is invalid.
 	StreamsPerSession int
 
 	// IdleTimeout is how long a session without any stream is kept before
-	// the Dialer closes it. Zero means DefaultIdleTimeout (90 s); negative
+	// the Dialer closes it. Zero means 90 s; negative
 	// means sessions are kept until Close.
 	IdleTimeout time.Duration
 
@@ -231,8 +231,8 @@ func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.
 // pick returns the session for the next stream to key, dialing one when
 // the pool has none or all its sessions are loaded and it may grow.
 func (d *Dialer) pick(ctx context.Context, key, network, address string) (*session.Session, error) {
-	maxSessions := cmp.Or(d.MaxSessions, DefaultMaxSessions)
-	perSession := cmp.Or(d.StreamsPerSession, DefaultStreamsPerSession)
+	maxSessions := cmp.Or(d.MaxSessions, defaultMaxSessions)
+	perSession := cmp.Or(d.StreamsPerSession, defaultStreamsPerSession)
 	for {
 		d.mu.Lock()
 		if d.closed {
@@ -278,7 +278,7 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 		case d.closed:
 			err = errDialerClosed
 		default:
-			s.SetIdleTimeout(cmp.Or(d.IdleTimeout, DefaultIdleTimeout))
+			s.SetIdleTimeout(cmp.Or(d.IdleTimeout, defaultIdleTimeout))
 			p.sessions = append(p.sessions, s)
 		}
 		if len(p.sessions) == 0 && len(p.draining) == 0 && d.pools[key] == p {

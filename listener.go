@@ -19,9 +19,9 @@ import (
 // Dial return *Stream values as net.Conn.
 type Stream = session.Stream
 
-// DefaultDrainTimeout is how long, by default, a listener that handed its
+// defaultDrainTimeout is how long, by default, a listener that handed its
 // socket over waits for its sessions to end (ListenConfig.DrainTimeout).
-const DefaultDrainTimeout = 10 * time.Second
+const defaultDrainTimeout = 10 * time.Second
 
 // checkNetwork returns nil for the networks shmlink runs on, else an error
 // wrapping ErrNetwork.
@@ -52,7 +52,7 @@ type ListenConfig struct {
 
 	// SocketMode is the permission bits of a "unix" listener's socket file;
 	// a client needs write permission on it to connect. Zero means
-	// DefaultSocketMode (0600: the owner only); bits other than 0777 are a
+	// 0600: the owner only; bits other than 0777 are a
 	// *ConfigError. The mode is set exactly, whatever the umask, and before
 	// the socket listens, so that no client can connect under another mode.
 	// Abstract sockets ("@name") have no file and ignore it.
@@ -75,7 +75,7 @@ type ListenConfig struct {
 
 	// DrainTimeout is how long a listener that handed its socket over
 	// waits for its sessions to acknowledge the hot restart and end before
-	// it closes those left. Zero means DefaultDrainTimeout (10 s);
+	// it closes those left. Zero means 10 s;
 	// negative is invalid. Only used with UpgradeSocket.
 	DrainTimeout time.Duration
 }
@@ -126,7 +126,7 @@ func (lc *ListenConfig) listenUpgradable(ctx context.Context, network, address s
 		Path:         lc.UpgradeSocket,
 		Network:      network,
 		Address:      address,
-		DrainTimeout: cmp.Or(lc.DrainTimeout, DefaultDrainTimeout),
+		DrainTimeout: cmp.Or(lc.DrainTimeout, defaultDrainTimeout),
 		Logger:       cfg.Logger,
 	}
 	ln, up, err := upgrade.TakeOver(ctx, ucfg, lc.checkTakenOver)

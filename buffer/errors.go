@@ -20,12 +20,12 @@ var (
 	// the mapping. The peer broke the protocol: the session must end.
 	ErrCorrupt = errors.New("buffer: corrupt shared memory")
 
-	// ErrBadConfig is returned, wrapped with the reason, by Format when the
+	// errBadConfig is returned, wrapped with the reason, by Format when the
 	// size classes or the memory cannot make a region: no classes or more
 	// than 32, slice sizes not ascending or not multiples of 4, percents
 	// not summing to 100, a list of fewer than 2 slices, memory too small,
 	// 4 GiB or larger, or not 4-byte aligned.
-	ErrBadConfig = errors.New("buffer: bad region config")
+	errBadConfig = errors.New("buffer: bad region config")
 
 	// ErrTooLarge is returned by ChainWriter.Reserve when the reservation is
 	// larger than Region.MaxSliceSize (a reservation is contiguous, so it

@@ -55,7 +55,7 @@ func TestMemoryTooLarge(t *testing.T) {
 	}
 	defer unix.Munmap(mem)
 	_, err = Format(mem, DefaultSizeClasses())
-	require.ErrorIs(t, err, ErrBadConfig)
+	require.ErrorIs(t, err, errBadConfig)
 	_, err = Attach(mem)
 	require.ErrorIs(t, err, ErrCorrupt)
 }

@@ -78,35 +78,35 @@ type Region struct {
 // aligned (a mapping is) and shorter than 4 GiB. The bytes of mem after the lists and the slices'
 // data are left as they are.
 //
-// Format returns an error wrapping ErrBadConfig when a condition above does
+// Format returns an error naming the condition when one above does
 // not hold; mem is then unchanged. Only the creator of the region formats
 // it, before the peer attaches.
 func Format(mem []byte, classes []SizeClass) (*Region, error) {
 	if reason := checkMem(mem); reason != "" {
-		return nil, fmt.Errorf("buffer: format: %s: %w", reason, ErrBadConfig)
+		return nil, fmt.Errorf("buffer: format: %s: %w", reason, errBadConfig)
 	}
 	n := len(classes)
 	if n == 0 || n > maxLists {
-		return nil, fmt.Errorf("buffer: format: %d size classes, want 1 to %d: %w", n, maxLists, ErrBadConfig)
+		return nil, fmt.Errorf("buffer: format: %d size classes, want 1 to %d: %w", n, maxLists, errBadConfig)
 	}
 	var sum uint64
 	for i, c := range classes {
 		if c.SliceSize == 0 || c.SliceSize%fieldAlign != 0 {
 			return nil, fmt.Errorf("buffer: format: class %d: slice size %d is not a positive multiple of %d: %w",
-				i, c.SliceSize, fieldAlign, ErrBadConfig)
+				i, c.SliceSize, fieldAlign, errBadConfig)
 		}
 		if i > 0 && c.SliceSize <= classes[i-1].SliceSize {
 			return nil, fmt.Errorf("buffer: format: class %d: slice size %d not above the previous class's %d: %w",
-				i, c.SliceSize, classes[i-1].SliceSize, ErrBadConfig)
+				i, c.SliceSize, classes[i-1].SliceSize, errBadConfig)
 		}
 		sum += uint64(c.Percent)
 	}
 	if sum != 100 {
-		return nil, fmt.Errorf("buffer: format: percents sum to %d, want 100: %w", sum, ErrBadConfig)
+		return nil, fmt.Errorf("buffer: format: percents sum to %d, want 100: %w", sum, errBadConfig)
 	}
 	headers := uint64(regionHeaderSize + listHeaderSize*n)
 	if uint64(len(mem)) <= headers {
-		return nil, fmt.Errorf("buffer: format: %d bytes cannot hold %d list headers: %w", len(mem), n, ErrBadConfig)
+		return nil, fmt.Errorf("buffer: format: %d bytes cannot hold %d list headers: %w", len(mem), n, errBadConfig)
 	}
 	regionCap := uint64(len(mem)) - headers
 	base := unsafe.Pointer(unsafe.SliceData(mem))
@@ -117,7 +117,7 @@ func Format(mem []byte, classes []SizeClass) (*Region, error) {
 		count := regionCap * uint64(c.Percent) / 100 / stride
 		if count < 2 {
 			return nil, fmt.Errorf("buffer: format: class %d (%d-byte slices at %d%%) gets %d slices of %d bytes, want at least 2: %w",
-				i, c.SliceSize, c.Percent, count, len(mem), ErrBadConfig)
+				i, c.SliceSize, c.Percent, count, len(mem), errBadConfig)
 		}
 		lists[i] = newList(base, uint32(off), uint32(count), c.SliceSize)
 		off += listHeaderSize + count*stride

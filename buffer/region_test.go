@@ -64,7 +64,7 @@ func TestFormatBadConfig(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			mem := make([]byte, tc.size)
 			r, err := Format(mem, tc.classes)
-			require.ErrorIs(t, err, ErrBadConfig)
+			require.ErrorIs(t, err, errBadConfig)
 			require.Nil(t, r)
 			require.Equal(t, make([]byte, tc.size), mem, "mem must be unchanged")
 		})
@@ -72,7 +72,7 @@ func TestFormatBadConfig(t *testing.T) {
 	t.Run("misaligned", func(t *testing.T) {
 		mem := make([]byte, smallSize+1)
 		_, err := Format(mem[1:], smallClasses)
-		require.ErrorIs(t, err, ErrBadConfig)
+		require.ErrorIs(t, err, errBadConfig)
 	})
 }
 

@@ -15,10 +15,10 @@ var (
 	// the session must end.
 	ErrCorrupt = errors.New("queue: IO queue corrupt")
 
-	// ErrBadConfig is returned by FormatPair when cap is outside 1..MaxCap
+	// errBadConfig is returned by FormatPair when cap is outside 1..MaxCap
 	// or len(mem) is not Size(cap), and by FormatPair and AttachPair when
 	// mem is not 64-byte aligned or the cap puts a counter of the second
 	// half where atomics are unsafe or slow on this architecture (see
 	// FormatPair).
-	ErrBadConfig = errors.New("queue: bad IO queue configuration")
+	errBadConfig = errors.New("queue: bad IO queue configuration")
 )

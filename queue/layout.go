@@ -56,7 +56,7 @@ func halfSize(cap uint32) int {
 	return headerSize + eventSize*int(cap)
 }
 
-// checkPlacement returns an error wrapping ErrBadConfig when the counters
+// checkPlacement returns an error wrapping errBadConfig when the counters
 // of the half starting at byte base of a 64-byte aligned mapping cannot be
 // used atomically on this architecture: misaligned for counterAlign, or
 // straddling a cache line.
@@ -67,11 +67,11 @@ func checkPlacement(half string, base int) error {
 	}{{"head", base + offHead}, {"tail", base + offTail}} {
 		if c.off%counterAlign != 0 {
 			return fmt.Errorf("%w: the %s half's %s counter at byte %d is not %d-byte aligned",
-				ErrBadConfig, half, c.name, c.off, counterAlign)
+				errBadConfig, half, c.name, c.off, counterAlign)
 		}
 		if c.off/cacheLine != (c.off+7)/cacheLine {
 			return fmt.Errorf("%w: the %s half's %s counter at byte %d straddles a %d-byte cache line",
-				ErrBadConfig, half, c.name, c.off, cacheLine)
+				errBadConfig, half, c.name, c.off, cacheLine)
 		}
 	}
 	return nil

@@ -96,7 +96,7 @@ func TestPlacement(t *testing.T) {
 			require.NoError(t, err, "cap %d", cap)
 			continue
 		}
-		require.ErrorIs(t, err, ErrBadConfig, "cap %d", cap)
+		require.ErrorIs(t, err, errBadConfig, "cap %d", cap)
 		require.ErrorContains(t, err, "second half")
 		if legacyLayout {
 			require.ErrorContains(t, err, "straddles a 64-byte cache line")
@@ -107,7 +107,7 @@ func TestPlacement(t *testing.T) {
 		binary.NativeEndian.PutUint32(mem[offCap:], cap)
 		binary.NativeEndian.PutUint32(mem[Size(cap)/2+offCap:], cap)
 		_, _, err = AttachPair(mem)
-		require.ErrorIs(t, err, ErrBadConfig, "cap %d", cap)
+		require.ErrorIs(t, err, errBadConfig, "cap %d", cap)
 	}
 }
 
@@ -126,7 +126,7 @@ func TestFormatPairErrors(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, _, err := FormatPair(tc.mem, tc.cap)
-			require.ErrorIs(t, err, ErrBadConfig)
+			require.ErrorIs(t, err, errBadConfig)
 		})
 	}
 }
@@ -211,13 +211,13 @@ func TestAttachPairErrors(t *testing.T) {
 			binary.NativeEndian.PutUint32(m[offCap:], cap)
 			binary.NativeEndian.PutUint32(m[second+offCap:], cap)
 			return m
-		}, ErrBadConfig},
+		}, errBadConfig},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, _, err := AttachPair(tc.mem())
 			require.ErrorIs(t, err, tc.isErr)
-			other := ErrBadConfig
-			if tc.isErr == ErrBadConfig {
+			other := errBadConfig
+			if tc.isErr == errBadConfig {
 				other = ErrCorrupt
 			}
 			require.False(t, errors.Is(err, other))

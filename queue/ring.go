@@ -43,7 +43,7 @@ type Ring struct {
 // working flag, and returns the first half (the client's sending side) and
 // the second (the server's), docs/protocol.md section 3.
 //
-// It returns an error wrapping ErrBadConfig if cap is outside 1..MaxCap,
+// It returns an error if cap is outside 1..MaxCap,
 // len(mem) != Size(cap), mem is misaligned, or cap would put a counter of
 // the second half where this architecture cannot update it atomically at
 // full speed: on amd64 (legacy layout) the 4-byte aligned counters must not
@@ -52,10 +52,10 @@ type Ring struct {
 // default cap, defaultCap, is fine on both.
 func FormatPair(mem []byte, cap uint32) (first, second *Ring, err error) {
 	if cap < 1 || cap > MaxCap {
-		return nil, nil, fmt.Errorf("%w: cap %d outside 1..%d", ErrBadConfig, cap, MaxCap)
+		return nil, nil, fmt.Errorf("%w: cap %d outside 1..%d", errBadConfig, cap, MaxCap)
 	}
 	if len(mem) != Size(cap) {
-		return nil, nil, fmt.Errorf("%w: %d bytes of memory for cap %d, want %d", ErrBadConfig, len(mem), cap, Size(cap))
+		return nil, nil, fmt.Errorf("%w: %d bytes of memory for cap %d, want %d", errBadConfig, len(mem), cap, Size(cap))
 	}
 	if err := checkMemory(mem, cap); err != nil {
 		return nil, nil, err
@@ -81,7 +81,7 @@ func FormatPair(mem []byte, cap uint32) (first, second *Ring, err error) {
 //
 // It returns an error wrapping ErrCorrupt if the header does not describe
 // mem: the two caps differ, a cap is outside 1..MaxCap, or len(mem) is not
-// Size(cap). It returns an error wrapping ErrBadConfig if mem is misaligned
+// Size(cap). It returns an error if mem is misaligned
 // or the cap is one this architecture cannot use (see FormatPair).
 // The counters are not checked here; Put and Pop check them on every call.
 func AttachPair(mem []byte) (first, second *Ring, err error) {
@@ -109,7 +109,7 @@ func AttachPair(mem []byte) (first, second *Ring, err error) {
 // events in mem can be used atomically on this architecture.
 func checkMemory(mem []byte, cap uint32) error {
 	if addr := uintptr(unsafe.Pointer(unsafe.SliceData(mem))); addr%cacheLine != 0 {
-		return fmt.Errorf("%w: memory at %#x is not %d-byte aligned", ErrBadConfig, addr, cacheLine)
+		return fmt.Errorf("%w: memory at %#x is not %d-byte aligned", errBadConfig, addr, cacheLine)
 	}
 	if err := checkPlacement("first", 0); err != nil {
 		return err

@@ -24,12 +24,12 @@ var (
 	// CloseWrite. It satisfies errors.Is(err, net.ErrClosed).
 	ErrWriteClosed = fmt.Errorf("shmlink: stream closed for writing: %w", net.ErrClosed)
 
-	// ErrNotClient is returned by OpenStream on a server session: only the
+	// errNotClient is returned by OpenStream on a server session: only the
 	// client opens streams in the shmipc protocol (docs/protocol.md section 4).
-	ErrNotClient = errors.New("shmlink: only a client session opens streams")
+	errNotClient = errors.New("shmlink: only a client session opens streams")
 
-	// ErrNotServer is returned by AcceptStream on a client session.
-	ErrNotServer = errors.New("shmlink: only a server session accepts streams")
+	// errNotServer is returned by AcceptStream on a client session.
+	errNotServer = errors.New("shmlink: only a server session accepts streams")
 
 	// ErrQueueFull is returned by a write when the peer left the IO queue full
 	// for longer than Config.QueueFullTimeout.

@@ -33,12 +33,12 @@ type hotRestart struct {
 // HotRestartAck{epoch} once its streams on this session are done, and the
 // session then ends with ErrHotRestarted; the streams it still has keep
 // working until then, and the client may even open new ones. It returns
-// ErrNotServer on a client session, ErrDraining if a HotRestart was
+// an error on a client session, ErrDraining if a HotRestart was
 // already sent, the session's error if it has ended, and the write error
 // (which ends the session).
 func (s *Session) SendHotRestart(epoch uint64) error {
 	if s.isClient {
-		return ErrNotServer
+		return errNotServer
 	}
 	s.mu.Lock()
 	if err := s.err; err != nil {

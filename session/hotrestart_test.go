@@ -141,7 +141,7 @@ func TestHotRestartWrongDirection(t *testing.T) {
 	})
 	t.Run("SendHotRestart on a client", func(t *testing.T) {
 		client, _ := pair(t, nil)
-		require.ErrorIs(t, client.SendHotRestart(1), ErrNotServer)
+		require.ErrorIs(t, client.SendHotRestart(1), errNotServer)
 	})
 	t.Run("SendHotRestart after the end", func(t *testing.T) {
 		_, server := pair(t, nil)

@@ -229,14 +229,14 @@ func (s *Session) NumStreams() int {
 // section 4: the server creates a stream on its first event), so that the
 // server's AcceptStream returns before any data: protocols where the server
 // speaks first work. Ids of streams that both sides closed are reused. It
-// returns ErrNotClient on a server session, the session's error once it
+// returns an error on a server session (only clients open streams), the session's error once it
 // has ended, ErrStreamIDs when ids are exhausted, ErrDraining once the
 // session has acknowledged a hot restart (docs/protocol.md section 5), ctx.Err() if ctx
 // is done before the announcement is queued, and ErrQueueFull if the peer
 // leaves the IO queue full for Config.QueueFullTimeout.
 func (s *Session) OpenStream(ctx context.Context) (*Stream, error) {
 	if !s.isClient {
-		return nil, ErrNotClient
+		return nil, errNotClient
 	}
 	if err := ctx.Err(); err != nil {
 		return nil, err
@@ -294,12 +294,12 @@ func (s *Session) addLocked(st *Stream) {
 }
 
 // AcceptStream waits for the next stream the client opened. It returns
-// ErrNotServer on a client session, ctx.Err() when ctx is done, and the
+// an error on a client session, ctx.Err() when ctx is done, and the
 // session's error once the session has ended and every stream it had
 // opened was accepted.
 func (s *Session) AcceptStream(ctx context.Context) (*Stream, error) {
 	if s.isClient {
-		return nil, ErrNotServer
+		return nil, errNotServer
 	}
 	for {
 		s.mu.Lock()
