@@ -1,7 +1,7 @@
 // Package shm holds the operating-system shims behind shmlink's shared memory:
 // creating memfds and files for a buffer region or an IO queue, mapping and
 // unmapping them, and passing their descriptors over a Unix socket with
-// SCM_RIGHTS (PROTOCOL.md section 1.4, step 5).
+// SCM_RIGHTS (docs/protocol.md section 1.4, step 5).
 //
 // It is internal: the public packages decide what to create and how to lay it
 // out; this package only talks to the kernel. Every descriptor it creates is

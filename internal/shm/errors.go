@@ -30,6 +30,6 @@ var (
 )
 
 // MaxMapSize is the largest mapping this package creates or accepts, in
-// bytes. Offsets in shared memory are 32-bit (PROTOCOL.md section 2.3), so a
+// bytes. Offsets in shared memory are 32-bit (docs/protocol.md section 2.3), so a
 // region cannot usefully exceed 4 GiB.
 const MaxMapSize = 1<<32 - 1

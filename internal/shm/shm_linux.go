@@ -191,7 +191,7 @@ func Unmap(mem []byte) error {
 }
 
 // SendFds sends fds over c in one sendmsg: one data byte 0x00 and one
-// SCM_RIGHTS control message (PROTOCOL.md section 1.4, step 5). The
+// SCM_RIGHTS control message (docs/protocol.md section 1.4, step 5). The
 // descriptors stay owned by the caller.
 func SendFds(c *net.UnixConn, fds ...int) error {
 	_, _, err := c.WriteMsgUnix([]byte{0}, unix.UnixRights(fds...), nil)
