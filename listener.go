@@ -66,7 +66,7 @@ type ListenConfig struct {
 
 	// UpgradeSocket, if set, is the path of a Unix socket through which
 	// generations of the server hand the listener over (hot upgrade;
-	// docs/protocol.md section 7). If a live process owns it, Listen takes
+	// docs/protocol.md section 14). If a live process owns it, Listen takes
 	// that process's listening socket over instead of listening afresh,
 	// and that process drains its sessions and then reports Upgraded.
 	// Otherwise Listen listens afresh. Either way the listener then serves
@@ -89,7 +89,7 @@ type ListenConfig struct {
 // networks, a *ConfigError for a bad Config or SocketMode, ErrNotLoopback
 // (wrapped) for a refused TCP address, and net.Listen's errors. With
 // UpgradeSocket it takes the listener of a running process over
-// (docs/protocol.md section 7), and returns ErrUpgradeInProgress (wrapped)
+// (docs/protocol.md section 14), and returns ErrUpgradeInProgress (wrapped)
 // if that process is busy with another upgrade, and the handover's errors
 // (wrapped), in which case the running process goes on serving.
 func (lc *ListenConfig) Listen(ctx context.Context, network, address string) (*Listener, error) {

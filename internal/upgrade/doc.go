@@ -2,7 +2,7 @@
 // process takes the listening socket over from the running one without
 // closing it, through an upgrade socket that the live generation serves,
 // and the running one then moves its clients over with the shmipc
-// hot-restart messages and drains (docs/protocol.md section 7).
+// hot-restart messages and drains (docs/protocol.md section 14).
 //
 // A process calls TakeOver, which takes the listening socket over if a
 // process serves the upgrade socket, and Listen, which makes the first

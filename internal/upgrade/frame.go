@@ -7,7 +7,7 @@ import (
 	"net"
 )
 
-// A frame of the upgrade socket (docs/protocol.md section 7): 16 bytes,
+// A frame of the upgrade socket (docs/protocol.md section 14): 16 bytes,
 // big-endian.
 //
 //	+0  magic    u32  frameMagic ("SLUP")

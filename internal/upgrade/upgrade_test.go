@@ -8,7 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// The frame's byte map (docs/protocol.md section 7).
+// The frame's byte map (docs/protocol.md section 14).
 func TestFrameLayout(t *testing.T) {
 	a, b := net.Pipe()
 	defer a.Close()

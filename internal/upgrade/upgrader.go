@@ -241,7 +241,7 @@ func (u *Upgrader) watchPrev(conn net.Conn) {
 }
 
 // handle runs the old side of a handover with a new process connected to
-// the upgrade socket (docs/protocol.md section 7, steps 1 to 4).
+// the upgrade socket (docs/protocol.md section 14, its sequence).
 func (u *Upgrader) handle(conn *net.UnixConn) {
 	defer u.wg.Done()
 	if !u.ask(conn) {
