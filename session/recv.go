@@ -320,8 +320,23 @@ func (c *chunk) readRest(region *buffer.Region, p []byte) error {
 	if err := cr.Reset(region, c.next); err != nil {
 		return err
 	}
-	_, err := io.ReadFull(&cr, p)
-	return err
+	return readFull(&cr, p)
+}
+
+// readFull fills p from the chain cr reads (io.ReadFull without the
+// interface, which would move cr to the heap).
+func readFull(cr *buffer.ChainReader, p []byte) error {
+	for n := 0; n < len(p); {
+		k, err := cr.Read(p[n:])
+		n += k
+		switch {
+		case err == io.EOF && n < len(p):
+			return io.ErrUnexpectedEOF
+		case err != nil && err != io.EOF:
+			return err
+		}
+	}
+	return nil
 }
 
 // pushChain queues the message whose slice chain starts at off. The chain is
@@ -363,7 +378,7 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 		// streams, or writers on either side, need.
 		data := make([]byte, total)
 		cr.Reset(region, off) // cannot fail: it did above
-		io.ReadFull(&cr, data)
+		readFull(&cr, data)   // cannot fail: the walk above saw the same chain
 		st.recv = append(st.recv, chunk{data: data, remain: total})
 		st.buffered += total
 		st.mu.Unlock()
