@@ -49,7 +49,7 @@ func TestFallbackAnnounceNotOvertaken(t *testing.T) {
 	}
 	require.NoError(t, c.Close())
 	server.shm.mu.RLock()
-	err = server.harvestLocked(server.shm.mem, false)
+	_, err = server.harvestLocked(server.shm.mem, false)
 	server.shm.mu.RUnlock()
 	server.rx.mu.Unlock()
 	require.NoError(t, err)

@@ -66,6 +66,10 @@ const (
 	// defaultMaxMessageSize is the largest control message accepted from
 	// the peer, header included: 32 MiB, the Rust crate's read buffer.
 	defaultMaxMessageSize = wire.DefaultMaxMessageSize
+	// defaultMaxStreams bounds the streams of a server session.
+	defaultMaxStreams = 16384
+	// defaultWriteTimeout bounds one write on the control connection.
+	defaultWriteTimeout = 10 * time.Second
 )
 
 // Config tunes a session. The zero value works: every zero field takes the
@@ -110,6 +114,20 @@ type Config struct {
 	// AcceptBacklog is the number of streams a server session queues for
 	// AcceptStream. Default 4096.
 	AcceptBacklog int
+
+	// MaxStreams is the most streams a server session keeps at once: open
+	// ones, and closed ones waiting for the client's close. A stream the
+	// client opens beyond it, or beyond AcceptBacklog, is refused: closed at
+	// once, so the client reads io.EOF (docs/protocol.md section 13).
+	// Default 16384.
+	MaxStreams int
+
+	// WriteTimeout bounds every write on the control connection (wakeups,
+	// closes, FallbackData, hot restart): a peer that does not read its
+	// end for that long ends the session with a *SessionError whose cause
+	// is a timeout. A stream's own write deadline ends its call sooner
+	// without ending the session. Default 10 s.
+	WriteTimeout time.Duration
 
 	// QueueFullTimeout is how long a write waits for room in a full IO queue
 	// before failing with ErrQueueFull, unless its deadline comes first.
@@ -214,6 +232,10 @@ func (c *Config) Validate() error {
 		return &ConfigError{Field: "MaxMessageSize", Reason: "below 64 KiB"}
 	case c.AcceptBacklog < 0:
 		return &ConfigError{Field: "AcceptBacklog", Reason: "negative"}
+	case c.MaxStreams < 0:
+		return &ConfigError{Field: "MaxStreams", Reason: "negative"}
+	case c.WriteTimeout < 0:
+		return &ConfigError{Field: "WriteTimeout", Reason: "negative"}
 	case c.QueueFullTimeout < 0:
 		return &ConfigError{Field: "QueueFullTimeout", Reason: "negative"}
 	}
@@ -265,6 +287,12 @@ func (c *Config) withDefaults() Config {
 	}
 	if out.AcceptBacklog == 0 {
 		out.AcceptBacklog = defaultAcceptBacklog
+	}
+	if out.MaxStreams == 0 {
+		out.MaxStreams = defaultMaxStreams
+	}
+	if out.WriteTimeout == 0 {
+		out.WriteTimeout = defaultWriteTimeout
 	}
 	if out.QueueFullTimeout == 0 {
 		out.QueueFullTimeout = defaultQueueFullTimeout

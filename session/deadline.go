@@ -10,6 +10,7 @@ import (
 // follows net/pipe.go's pipeDeadline.
 type deadline struct {
 	mu     sync.Mutex
+	at     time.Time // the deadline; zero: none
 	timer  *time.Timer
 	cancel chan struct{} // closed when the deadline passes
 }
@@ -25,6 +26,7 @@ func (d *deadline) set(t time.Time) {
 		<-d.cancel // the timer fired: wait for it to close cancel
 	}
 	d.timer = nil
+	d.at = t
 	closed := isClosedChan(d.cancel)
 	if t.IsZero() {
 		if closed {
@@ -43,6 +45,13 @@ func (d *deadline) set(t time.Time) {
 	if !closed {
 		close(d.cancel)
 	}
+}
+
+// when returns the deadline and the channel closed when it passes.
+func (d *deadline) when() (time.Time, chan struct{}) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.at, d.cancel
 }
 
 // wait returns the channel closed when the deadline passes.

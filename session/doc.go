@@ -50,9 +50,10 @@
 //  3. sharedMem.mu (read): held by whoever touches the shared memory;
 //     write-held only to unmap it. A spinning reader holds it and only
 //     tries receiver.mu (TryLock), which cannot deadlock.
-//  4. Session.putMu, ctlWriter.mu: the send queue's single producer, and
-//     writes on the control connection. Leaves: nothing else is taken
-//     while holding them.
+//  4. Session.putMu: the send queue's single producer; and
+//     ctlWriter.sem, a channel so that writers wait for it within their
+//     deadlines: held while writing on the control connection (ctl.go).
+//     Their holders take no lock but Session.mu, to end the session.
 //  5. Session.mu: the stream table, the session's error, idle and hot
 //     restart state.
 //  6. Stream.mu: a stream's state and receive buffer. Innermost.

@@ -136,6 +136,10 @@ func (s *Session) handleHotRestartAck(payload []byte) error {
 	want, started := s.hr.epoch, s.hr.started
 	s.mu.Unlock()
 	if !ok {
+		s.ctr.acksIgnored.Add(1)
+		if !s.warnAck.allow() {
+			return nil
+		}
 		s.cfg.Logger.Warn("shmlink: unexpected HotRestartAck ignored", "remote", s.conn.RemoteAddr(),
 			"epoch", epoch, "sent", started, "want", want)
 		return nil

@@ -142,25 +142,46 @@ func (s *Session) handle(h wire.Header, payload []byte) error {
 }
 
 // harvest pops every event of the receive queue and dispatches it, then
-// settles the working flag (see harvestLocked).
+// settles the working flag (see harvestLocked). It lets go of the queue
+// after every maxHarvest events and returns ErrSessionClosed if the
+// session ended meanwhile, so that a peer that keeps putting events cannot
+// keep it busy past the session's end.
 func (s *Session) harvest() error {
-	s.rx.mu.Lock()
-	defer s.rx.mu.Unlock()
-	return s.withMem(func(m *memory) error { return s.harvestLocked(m, true) })
+	for {
+		more := false
+		s.rx.mu.Lock()
+		err := s.withMem(func(m *memory) (err error) {
+			more, err = s.harvestLocked(m, true)
+			return err
+		})
+		s.rx.mu.Unlock()
+		if err != nil || !more {
+			return err
+		}
+		if isClosedChan(s.dead) {
+			return ErrSessionClosed
+		}
+		runtime.Gosched() // let readers and Close have the queue between batches
+	}
 }
 
-// harvestLocked pops every event of the receive queue and dispatches it.
-// With settle set it then clears the working flag and checks the queue
-// again, harvesting anew if an event came meanwhile, so that no event is
-// stranded without a wakeup (docs/protocol.md section 3.3); but while a
-// reader spins on the queue the flag stays at 1, and that reader settles
-// it when it stops. The caller holds rx.mu and shm.mu's read lock.
-func (s *Session) harvestLocked(m *memory, settle bool) error {
-	for {
-		for {
+// maxHarvest is the most events one call of harvestLocked pops.
+const maxHarvest = 1024
+
+// harvestLocked pops the events of the receive queue, at most maxHarvest,
+// and dispatches them; more reports that it stopped at that bound. With
+// settle set, once the queue is empty it clears the working flag and
+// checks the queue again, harvesting anew if an event came meanwhile, so
+// that no event is stranded without a wakeup (docs/protocol.md section
+// 3.3); but while a reader spins on the queue the flag stays at 1, and that
+// reader settles it when it stops. The caller holds rx.mu and shm.mu's
+// read lock.
+func (s *Session) harvestLocked(m *memory, settle bool) (more bool, err error) {
+	for n := 0; ; {
+		for ; n < maxHarvest; n++ {
 			ev, ok, err := m.recv.Pop()
 			if err != nil {
-				return err
+				return false, err
 			}
 			if !ok {
 				break
@@ -168,15 +189,18 @@ func (s *Session) harvestLocked(m *memory, settle bool) error {
 			s.ctr.eventsReceived.Add(1)
 			s.forgetNames()
 			if err := s.dispatchLocked(m, ev, nil); err != nil {
-				return err
+				return false, err
 			}
 		}
+		if n == maxHarvest {
+			return true, nil
+		}
 		if !settle || s.rx.spinning.Load() {
-			return nil
+			return false, nil
 		}
 		m.recv.ClearWorking()
 		if m.recv.Empty() {
-			return nil
+			return false, nil
 		}
 		m.recv.SetWorking()
 	}
@@ -208,7 +232,7 @@ func (s *Session) dispatchLocked(m *memory, ev queue.Event, data []byte) error {
 	if ev.Offset != 0 {
 		err = st.pushChain(m.region, ev.Offset)
 	} else if len(data) > 0 {
-		st.pushBytes(data)
+		err = st.pushBytes(data)
 	}
 	if state == stateClosed && err == nil {
 		st.remoteClose()
@@ -217,59 +241,86 @@ func (s *Session) dispatchLocked(m *memory, ev queue.Event, data []byte) error {
 }
 
 // route returns the stream ev goes to, opening one on a server. It returns
-// nil when ev was dealt with here: its slices recycled for an unknown id,
-// or the stream refused because the accept backlog is full. The caller
-// holds rx.mu and shm.mu's read lock.
+// nil when ev was dealt with here: its slices recycled for an unknown or
+// refused id, or a new stream refused because the accept backlog or
+// Config.MaxStreams is full. The caller holds rx.mu and shm.mu's read
+// lock.
 func (s *Session) route(m *memory, ev queue.Event) (*Stream, error) {
-	closing := ev.Status&0xff == stateClosed
+	id, closing := ev.StreamID, ev.Status&0xff == stateClosed
 	s.mu.Lock()
-	if st := s.tab.routed[ev.StreamID]; st != nil {
+	t := &s.tab
+	if st := t.routed[id]; st != nil {
 		s.mu.Unlock()
 		return st, nil
 	}
-	if s.isClient || closing || ev.StreamID == 0 || s.err != nil {
-		if _, ok := s.tab.awaiting[ev.StreamID]; ok && closing {
+	if _, ok := t.refused[id]; ok {
+		if closing {
+			delete(t.refused, id) // the client's close: the id may open anew
+		}
+		s.mu.Unlock()
+		return nil, freeChain(m, ev.Offset)
+	}
+	if s.isClient || closing || id == 0 || s.err != nil {
+		if _, ok := t.awaiting[id]; ok && closing {
 			// The peer answered the close of a stream we forgot.
-			delete(s.tab.awaiting, ev.StreamID)
+			delete(t.awaiting, id)
 			if s.err == nil {
-				s.tab.freeIDs = append(s.tab.freeIDs, ev.StreamID)
+				t.freeIDs = append(t.freeIDs, id)
 			}
 		}
 		s.mu.Unlock()
 		return nil, freeChain(m, ev.Offset) // data for a stream we do not know
 	}
-	st := newStream(s, ev.StreamID)
-	if len(s.tab.accepts) < s.cfg.AcceptBacklog {
+	if len(t.accepts) < s.cfg.AcceptBacklog && len(t.routed) < s.cfg.MaxStreams {
+		st := newStream(s, id)
 		s.addLocked(st)
-		s.tab.accepts = append(s.tab.accepts, st)
+		t.accepts = append(t.accepts, st)
 		s.mu.Unlock()
 		select {
-		case s.tab.acceptCh <- struct{}{}:
+		case t.acceptCh <- struct{}{}:
 		default:
 		}
 		return st, nil
 	}
-	// Refused: the stream is closed at once but stays routed until the
-	// client's close, so that the client's events still in flight are
-	// recycled instead of opening it again.
-	s.tab.routed[st.id] = st
+	// Refused: closed at once. Until the client's close the id stays
+	// refused, so that the client's events still in flight are recycled
+	// instead of opening it again.
+	boundedAdd(&t.refused, id)
+	backlog, streams := len(t.accepts), len(t.routed)
 	s.mu.Unlock()
-	s.cfg.Logger.Warn("shmlink: accept backlog full, refusing stream", "stream", ev.StreamID)
-	st.mu.Lock()
-	st.transition(evRefuse, false)
-	st.mu.Unlock()
-	onSocket := s.sendCloseLocked(m, st.id, false)
-	st.mu.Lock()
-	act, _ := st.transition(evCloseSent, onSocket)
-	st.mu.Unlock()
-	st.apply(act, true) // the caller holds shm.mu
-	if err := freeChain(m, ev.Offset); err != nil {
-		return nil, err
+	s.ctr.streamsRefused.Add(1)
+	if s.warnRefused.allow() {
+		s.cfg.Logger.Warn("shmlink: refusing streams: accept backlog or MaxStreams full",
+			"remote", s.conn.RemoteAddr(), "stream", id, "backlog", backlog, "streams", streams,
+			"refused_total", s.ctr.streamsRefused.Load())
 	}
-	if closing {
-		st.remoteClose()
+	s.sendCloseLocked(m, id, false)
+	return nil, freeChain(m, ev.Offset)
+}
+
+// boundedAdd adds id to the set *ids, made on first use, which holds at
+// most maxAwaiting ids: when full, an arbitrary one is dropped first.
+func boundedAdd(ids *map[uint32]struct{}, id uint32) {
+	if *ids == nil {
+		*ids = make(map[uint32]struct{})
 	}
-	return nil, nil
+	if len(*ids) >= maxAwaiting {
+		for old := range *ids {
+			delete(*ids, old)
+			break
+		}
+	}
+	(*ids)[id] = struct{}{}
+}
+
+// rateLimit lets an event through at most once a second: for warnings a
+// peer could otherwise trigger in a flood.
+type rateLimit struct{ last atomic.Int64 }
+
+// allow reports whether the event may be logged now.
+func (r *rateLimit) allow() bool {
+	now, last := time.Now().UnixNano(), r.last.Load()
+	return now-last >= int64(time.Second) && r.last.CompareAndSwap(last, now)
 }
 
 // freeChain recycles the chain at off, if any.
@@ -289,6 +340,7 @@ type recvBuf struct {
 	rhead    int
 	buffered int      // unread bytes in recv
 	shm      int      // capacity of the slices that recv's unread bytes occupy
+	heap     int      // unread bytes in recv held on the heap
 	held     []uint32 // consumed slices with a zero-copy view out
 }
 
@@ -381,6 +433,7 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 		readFull(&cr, data)   // cannot fail: the walk above saw the same chain
 		st.recv = append(st.recv, chunk{data: data, remain: total})
 		st.buffered += total
+		st.addHeap(total)
 		st.mu.Unlock()
 		s.ctr.spilled.Add(uint64(total))
 		st.notifyRead()
@@ -417,20 +470,39 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 func (st *Stream) mustCopyOut(region *buffer.Region, charge, total int) bool {
 	m := &st.s.shm
 	overShm := st.shm+charge > m.streamLimit || m.unread.Load()+int64(charge) > int64(m.sessionLimit)
-	return overShm && st.buffered-st.shm+total <= m.heapLimit && region.FreeBytes() < m.pressureBytes && st.stalled()
+	return overShm && st.heap+total <= m.heapLimit && region.FreeBytes() < m.pressureBytes && st.stalled()
 }
 
 // pushBytes queues data that came as FallbackData; the stream owns data.
-func (st *Stream) pushBytes(data []byte) {
+// It fails when the stream, or all streams of the session, already hold
+// more unread bytes on the heap than the limits allow (docs/protocol.md
+// section 13): the peer sends faster than the application reads.
+func (st *Stream) pushBytes(data []byte) error {
+	m := &st.s.shm
 	st.mu.Lock()
 	if st.state.has(stClosed) {
 		st.mu.Unlock()
-		return
+		return nil
+	}
+	if st.heap > m.socketLimit || m.heapUnread.Load() > 4*int64(m.socketLimit) {
+		err := fmt.Errorf("stream %d: %d unread bytes on the heap (session: %d) past the limit of %d per stream and %d per session (Config.StreamHeapLimit, MaxMessageSize)",
+			st.id, st.heap, m.heapUnread.Load(), m.socketLimit, 4*m.socketLimit)
+		st.mu.Unlock()
+		return err
 	}
 	st.recv = append(st.recv, chunk{data: data, remain: len(data)})
 	st.buffered += len(data)
+	st.addHeap(len(data))
 	st.mu.Unlock()
 	st.notifyRead()
+	return nil
+}
+
+// addHeap counts n unread bytes more (or fewer, if negative) held on the
+// heap by st and by its session. The caller holds st.mu.
+func (st *Stream) addHeap(n int) {
+	st.heap += n
+	st.s.shm.heapUnread.Add(int64(n))
 }
 
 // remoteClose records the peer's close: reads end with io.EOF once the data
@@ -473,6 +545,7 @@ func (st *Stream) dropUnread() {
 		st.releaseHeldLocked(m.region)
 	}
 	s.shm.unread.Add(-int64(st.shm))
+	s.shm.heapUnread.Add(-int64(st.heap))
 	st.recvBuf = recvBuf{}
 }
 
@@ -769,6 +842,9 @@ func (st *Stream) consumeLocked(region *buffer.Region, p []byte, n int) (int, er
 		c.data = c.data[k:]
 		c.remain -= k
 		st.buffered -= k
+		if c.off == 0 {
+			st.addHeap(-k)
+		}
 		done += k
 		if len(c.data) == 0 {
 			if err := st.advanceLocked(region, c); err != nil {
@@ -820,6 +896,9 @@ func (st *Stream) advanceLocked(region *buffer.Region, c *chunk) error {
 func (st *Stream) dropHeadLocked() {
 	c := &st.recv[st.rhead]
 	st.buffered -= c.remain
+	if c.off == 0 {
+		st.addHeap(-c.remain)
+	}
 	st.shm -= c.charge
 	st.s.shm.unread.Add(-int64(c.charge))
 	*c = chunk{}
@@ -896,7 +975,7 @@ func (st *Stream) spinBatch(want int) (harvested bool, err error) {
 			if m.recv.Empty() || !s.rx.mu.TryLock() {
 				continue
 			}
-			err = s.harvestLocked(m, false)
+			_, err = s.harvestLocked(m, false)
 			s.rx.mu.Unlock()
 			harvested = true
 			if err != nil || st.readyFor(want) {
@@ -1013,7 +1092,7 @@ func (st *Stream) spill(region *buffer.Region) {
 		if c.off == 0 || c.pinned {
 			continue
 		}
-		if st.buffered-st.shm+c.remain > st.s.shm.heapLimit {
+		if st.heap+c.remain > st.s.shm.heapLimit {
 			return
 		}
 		data := make([]byte, c.remain)
@@ -1029,5 +1108,6 @@ func (st *Stream) spill(region *buffer.Region) {
 		st.s.shm.unread.Add(-int64(c.charge))
 		st.s.ctr.spilled.Add(uint64(len(data)))
 		*c = chunk{data: data, remain: len(data)}
+		st.addHeap(len(data))
 	}
 }

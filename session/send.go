@@ -5,7 +5,6 @@ import (
 	"errors"
 	"net"
 	"runtime"
-	"sync"
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
@@ -28,18 +27,6 @@ const maxEventBytes = 64 << 10
 
 // maxFallbackChunk is the most data bytes one FallbackData message carries.
 const maxFallbackChunk = 64 << 10
-
-// ctlWriter writes control messages on the session's connection.
-type ctlWriter struct {
-	mu      sync.Mutex // serializes writes on conn; guards scratch
-	conn    net.Conn
-	scratch []byte // message buffer
-	pollMsg []byte // the encoded Polling message
-}
-
-func newCtlWriter(conn net.Conn, version uint8) ctlWriter {
-	return ctlWriter{conn: conn, pollMsg: wire.AppendSimple(nil, version, wire.TypePolling)}
-}
 
 // Write writes p to the stream; see net.Conn. Data goes into slices of
 // shared memory, one event per chain of up to 64 KiB (maxEventBytes). When
@@ -120,7 +107,7 @@ func (st *Stream) writeSome(p []byte) (int, error) {
 		st.viaSocket = true
 	}
 	k := min(len(p), maxFallbackChunk)
-	if err := s.writeFallback(st.id, p[:k], st.queued); err != nil {
+	if err := s.writeFallback(st.id, p[:k], st.queued, &st.wdl); err != nil {
 		return 0, err
 	}
 	st.queued = false
@@ -285,7 +272,7 @@ func (st *Stream) flushLocked() error {
 	for len(st.pending) > 0 {
 		st.viaSocket = true
 		k := min(len(st.pending), maxFallbackChunk)
-		err := s.writeFallback(st.id, st.pending[:k], st.queued)
+		err := s.writeFallback(st.id, st.pending[:k], st.queued, &st.wdl)
 		st.queued = false
 		if err != nil {
 			return err
@@ -318,7 +305,7 @@ func (s *Session) announce(ctx context.Context, st *Stream) error {
 		off, err := m.region.Alloc(0)
 		if errors.Is(err, buffer.ErrNoSpace) {
 			st.viaSocket = true
-			return s.writeFallback(st.id, nil, false)
+			return s.writeFallback(st.id, nil, false, nil)
 		}
 		if err == nil {
 			err = m.region.SetPayload(off, 0)
@@ -380,8 +367,7 @@ func (s *Session) putEvent(m *memory, ev queue.Event, closed, cancel <-chan stru
 		}
 	}
 	if m.send.MarkWorking() || wake {
-		s.ctr.wakeupsSent.Add(1)
-		return s.writeCtl(s.ctl.pollMsg)
+		s.wake()
 	}
 	return nil
 }
@@ -418,8 +404,7 @@ func (s *Session) sendCloseLocked(m *memory, id uint32, viaSocket bool) (onSocke
 		}
 		if !full {
 			if m.send.MarkWorking() {
-				s.ctr.wakeupsSent.Add(1)
-				s.writeCtl(s.ctl.pollMsg)
+				s.wake()
 			}
 			return false
 		}
@@ -428,49 +413,40 @@ func (s *Session) sendCloseLocked(m *memory, id uint32, viaSocket bool) (onSocke
 	// A Polling first: the peer may handle StreamClose without harvesting
 	// its receive queue (the Rust crate does), and events of this stream
 	// may still be in it.
-	s.ctl.mu.Lock()
-	s.ctl.scratch = append(s.ctl.scratch[:0], s.ctl.pollMsg...)
+	var msg [24]byte
+	b := append(msg[:0], s.ctl.pollMsg...)
+	b = wire.AppendStreamClose(b, s.version, id)
 	s.ctr.wakeupsSent.Add(1)
-	s.ctl.scratch = wire.AppendStreamClose(s.ctl.scratch, s.version, id)
-	_, err := s.ctl.conn.Write(s.ctl.scratch)
-	s.ctl.mu.Unlock()
-	if err != nil {
-		s.failOp("write", err)
-	}
+	s.writeCtl(b) // an error ends the session
 	return true
 }
 
 // writeFallback sends data for stream id as one FallbackData message
-// (docs/protocol.md section 1.2), after a Polling if poll is set. A stream
-// sets poll on its first FallbackData after events: a peer may handle
-// FallbackData without harvesting its receive queue first (the Rust crate
-// does), so the Polling makes it harvest the stream's earlier events
-// before it reads these bytes.
-func (s *Session) writeFallback(id uint32, data []byte, poll bool) error {
-	s.ctl.mu.Lock()
-	defer s.ctl.mu.Unlock()
-	s.ctl.scratch = s.ctl.scratch[:0]
+// (docs/protocol.md section 1.2), after a Polling if poll is set, waiting
+// for the connection until the write deadline wdl passes (errDeadline,
+// nothing sent). A stream sets poll on its first FallbackData after
+// events: a peer may handle FallbackData without harvesting its receive
+// queue first (the Rust crate does), so the Polling makes it harvest the
+// stream's earlier events before it reads these bytes.
+func (s *Session) writeFallback(id uint32, data []byte, poll bool, wdl *deadline) error {
+	var hdr [24]byte
+	b := hdr[:0]
 	if poll {
-		s.ctl.scratch = append(s.ctl.scratch, s.ctl.pollMsg...)
-		s.ctr.wakeupsSent.Add(1)
+		b = append(b, s.ctl.pollMsg...)
 	}
-	s.ctl.scratch = wire.AppendFallbackHeader(s.ctl.scratch, s.version, id, stateOpen, len(data))
-	bufs := net.Buffers{s.ctl.scratch, data}
-	if _, err := bufs.WriteTo(s.ctl.conn); err != nil {
-		return s.failOp("write", err)
+	b = wire.AppendFallbackHeader(b, s.version, id, stateOpen, len(data))
+	var dl time.Time
+	var cancel <-chan struct{}
+	if wdl != nil {
+		dl, cancel = wdl.when()
+	}
+	if err := s.sendCtl(net.Buffers{b, data}, cancel, dl); err != nil {
+		return err
+	}
+	if poll {
+		s.ctr.wakeupsSent.Add(1)
 	}
 	s.ctr.fallbackWrites.Add(1)
 	s.ctr.bytesSent.Add(uint64(len(data)))
-	return nil
-}
-
-// writeCtl writes one whole control message; a failure ends the session.
-func (s *Session) writeCtl(msg []byte) error {
-	s.ctl.mu.Lock()
-	_, err := s.ctl.conn.Write(msg)
-	s.ctl.mu.Unlock()
-	if err != nil {
-		return s.failOp("write", err)
-	}
 	return nil
 }

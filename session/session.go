@@ -27,9 +27,11 @@ type Session struct {
 
 	shm   sharedMem  // the mapping, and what unread data may hold of it
 	rx    receiver   // who harvests the receive queue; spinning; the lease
-	ctl   ctlWriter  // writes on the control connection
+	ctl   *ctlWriter // writes on the control connection
 	putMu sync.Mutex // serializes puts on the send queue: it has one producer
 	ctr   counters
+	// warnRefused and warnAck rate-limit warnings a peer can trigger.
+	warnRefused, warnAck rateLimit
 
 	// names are the files of a v2 handshake that this client created and
 	// still has to unlink; the v2 server sends no reply, so they go as
@@ -64,6 +66,13 @@ type sharedMem struct {
 	// the region and copied out of it (Config.StreamMemoryLimit,
 	// Config.StreamHeapLimit).
 	streamLimit, heapLimit int
+	// heapUnread is the unread bytes all streams hold on the heap. A
+	// FallbackData is refused (the session ends) while its stream holds
+	// more than socketLimit bytes there, or all streams more than four
+	// times that: max(StreamHeapLimit, MaxMessageSize), so that a peer
+	// may always send one whole message of the largest size.
+	heapUnread  atomic.Int64
+	socketLimit int
 	// pressureBytes is the free capacity of the region (a quarter of it)
 	// below which those limits apply: with more free, nobody waits for
 	// slices and copying out would only slow the reader down.
@@ -87,11 +96,14 @@ type streamTable struct {
 	// routes; the peer's close, if one comes, makes the id reusable. At most
 	// maxAwaiting: shmipc-go and the Rust crate never send that close.
 	awaiting map[uint32]struct{}
+	// refused holds the ids of streams a server refused whose close from
+	// the client has not come yet; at most maxAwaiting.
+	refused  map[uint32]struct{}
 	accepts  []*Stream     // opened by the client, not yet accepted
 	acceptCh chan struct{} // cap 1: a stream was queued on accepts
 }
 
-// maxAwaiting bounds streamTable.awaiting.
+// maxAwaiting bounds streamTable.awaiting and streamTable.refused.
 const maxAwaiting = 4096
 
 // idleState ends a session that has no stream, guarded by Session.mu.
@@ -143,7 +155,7 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 		conn:     conn,
 		isClient: isClient,
 		version:  version,
-		ctl:      newCtlWriter(conn, version),
+		ctl:      newCtlWriter(conn, version, c.WriteTimeout),
 		tab: streamTable{
 			routed:   make(map[uint32]*Stream),
 			live:     make(map[*Stream]struct{}),
@@ -171,6 +183,7 @@ func (m *sharedMem) init(mem *memory, c *Config) {
 	m.maxLinks = slices
 	m.pressureBytes = dataBytes / 4
 	m.heapLimit = max(c.StreamHeapLimit, 0)
+	m.socketLimit = max(m.heapLimit, c.MaxMessageSize)
 	switch {
 	case c.StreamMemoryLimit == 0:
 		m.streamLimit = len(mem.bufMem) / 4
@@ -357,6 +370,7 @@ func (s *Session) Close() error {
 	clear(s.tab.routed)
 	s.mu.Unlock()
 	<-s.rx.done
+	s.ctl.flushers.Wait()
 	s.unmapIfUnused()
 	return nil
 }
@@ -444,16 +458,8 @@ func (s *Session) forgetClosed(st *Stream) {
 	if s.tab.routed[st.id] == st && !state.has(stRemoteClosed) {
 		delete(s.tab.routed, st.id)
 		if !state.has(stCloseOnSocket) && s.err == nil {
-			if s.tab.awaiting == nil {
-				s.tab.awaiting = make(map[uint32]struct{})
-			}
-			if len(s.tab.awaiting) >= maxAwaiting {
-				for id := range s.tab.awaiting {
-					delete(s.tab.awaiting, id) // that id is simply not reused
-					break
-				}
-			}
-			s.tab.awaiting[st.id] = struct{}{}
+			// When the set is full, an arbitrary id is not reused.
+			boundedAdd(&s.tab.awaiting, st.id)
 		}
 	}
 	s.mu.Unlock()

@@ -16,6 +16,8 @@ type Stats struct {
 	QueueFull       uint64 // puts that found the send queue full
 	MemoryFull      uint64 // writes that found the buffer region exhausted
 	Spilled         uint64 // bytes received that were copied out of shared memory (Config.StreamMemoryLimit)
+	StreamsRefused  uint64 // streams a server refused: accept backlog or Config.MaxStreams full
+	AcksIgnored     uint64 // HotRestartAck messages that answered no HotRestart of ours
 	ActiveStreams   int    // streams the session tracks now
 	SlicesInUse     []int  // allocated slices per buffer list, by both sides
 }
@@ -28,6 +30,7 @@ type counters struct {
 	fallbackWrites, fallbackRead atomic.Uint64
 	queueFull, memoryFull        atomic.Uint64
 	spilled                      atomic.Uint64
+	streamsRefused, acksIgnored  atomic.Uint64
 }
 
 // Stats returns a snapshot of the session's counters. SlicesInUse is nil
@@ -45,6 +48,8 @@ func (s *Session) Stats() Stats {
 		QueueFull:       s.ctr.queueFull.Load(),
 		MemoryFull:      s.ctr.memoryFull.Load(),
 		Spilled:         s.ctr.spilled.Load(),
+		StreamsRefused:  s.ctr.streamsRefused.Load(),
+		AcksIgnored:     s.ctr.acksIgnored.Load(),
 		ActiveStreams:   s.NumStreams(),
 	}
 	s.withMem(func(m *memory) error {

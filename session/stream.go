@@ -68,7 +68,7 @@ func newStream(s *Session, id uint32) *Stream {
 type streamState uint8
 
 const (
-	// stClosed: Close was called (or the server refused the stream). Every
+	// stClosed: Close was called. Every
 	// call fails with ErrStreamClosed; data that arrives is dropped.
 	stClosed streamState = 1 << iota
 	// stWriteClosed: our close was started, by CloseWrite or Close. Writes
@@ -94,7 +94,6 @@ const (
 	evCloseWrite                     // CloseWrite flushed and starts our close
 	evCloseSent                      // our close went out (on the socket if onSocket)
 	evRemoteClose                    // the peer's close arrived
-	evRefuse                         // the server refused the stream (accept backlog full)
 )
 
 // streamActions is what a transition leaves for its caller to do once
@@ -128,10 +127,6 @@ func (st *Stream) transition(ev streamEvent, onSocket bool) (act streamActions, 
 			return act, false
 		}
 		st.state |= stWriteClosed
-		act.sendClose = true
-	case evRefuse:
-		st.state |= stClosed | stWriteClosed
-		close(st.closedCh)
 		act.sendClose = true
 	case evCloseSent:
 		st.state |= stCloseSent

@@ -1,0 +1,219 @@
+package session
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/shmlink/shmlink/internal/wire"
+	"golang.org/x/sys/unix"
+)
+
+// ctlWriter writes control messages on the session's connection
+// (docs/protocol.md section 1.2), always whole ones, and never for longer
+// than Config.WriteTimeout: a peer that stops reading its end ends the
+// session instead of blocking our writers (docs/protocol.md section 13).
+//
+// One writer at a time holds sem. A writer whose own deadline (a stream's
+// write deadline) passes in the middle of a message leaves the rest of it
+// to a flusher goroutine, which holds sem until the message is out. A
+// wakeup (Polling) never waits: it is written at once when the connection
+// is free and takes it without blocking, else it is owed (pollOwed) and
+// the holder of sem writes it before letting go. So at most one Polling
+// and one message are ever owed, and only for WriteTimeout.
+type ctlWriter struct {
+	conn     net.Conn
+	raw      syscall.RawConn // nil if conn has none: wakeups then wait like other writes
+	timeout  time.Duration   // Config.WriteTimeout
+	sem      chan struct{}   // cap 1: held while writing on conn
+	pollOwed atomic.Bool     // a Polling is to be written by sem's holder
+	pollMsg  []byte          // the encoded Polling message
+	flushers sync.WaitGroup  // flusher goroutines; Session.Close waits for them
+}
+
+func newCtlWriter(conn net.Conn, version uint8, timeout time.Duration) *ctlWriter {
+	c := &ctlWriter{
+		conn:    conn,
+		timeout: timeout,
+		sem:     make(chan struct{}, 1),
+		pollMsg: wire.AppendSimple(nil, version, wire.TypePolling),
+	}
+	if sc, ok := conn.(syscall.Conn); ok {
+		c.raw, _ = sc.SyscallConn()
+	}
+	return c
+}
+
+// wake sends the peer a Polling (docs/protocol.md section 3.3) without
+// waiting for the connection: at once if it is free, else it is owed to
+// its holder.
+func (s *Session) wake() {
+	s.ctl.pollOwed.Store(true)
+	select {
+	case s.ctl.sem <- struct{}{}:
+	default:
+		return // the holder writes it before it lets go
+	}
+	if s.flushPoll() {
+		s.releaseCtl()
+	}
+}
+
+// flushPoll writes the Polling owed, if any. It reports false when a
+// flusher took the connection over. The caller holds sem.
+func (s *Session) flushPoll() bool {
+	if !s.ctl.pollOwed.Swap(false) {
+		return true
+	}
+	s.ctr.wakeupsSent.Add(1)
+	return s.writeNow(s.ctl.pollMsg)
+}
+
+// acquireCtl takes the connection, waiting until cancel is closed
+// (errDeadline) or the session ends (its error).
+func (s *Session) acquireCtl(cancel <-chan struct{}) error {
+	select {
+	case s.ctl.sem <- struct{}{}:
+		return nil
+	default:
+	}
+	select {
+	case s.ctl.sem <- struct{}{}:
+		return nil
+	case <-cancel:
+		return errDeadline
+	case <-s.dead:
+		return s.Err()
+	}
+}
+
+// releaseCtl lets go of the connection, first writing a Polling owed
+// meanwhile. A wake that finds the connection taken after our check sees
+// it free and writes its Polling itself.
+func (s *Session) releaseCtl() {
+	for {
+		<-s.ctl.sem
+		if !s.ctl.pollOwed.Load() {
+			return
+		}
+		select {
+		case s.ctl.sem <- struct{}{}:
+		default:
+			return // a new holder writes it
+		}
+		if !s.flushPoll() {
+			return
+		}
+	}
+}
+
+// writeNow writes b without blocking as far as the connection takes it;
+// what it does not take goes to a flusher goroutine, which then holds the
+// connection, and writeNow reports false. The caller holds sem.
+func (s *Session) writeNow(b []byte) bool {
+	n := 0
+	if s.ctl.raw != nil {
+		var werr error
+		err := s.ctl.raw.Write(func(fd uintptr) bool {
+			for n < len(b) {
+				k, err := unix.Write(int(fd), b[n:])
+				if err == unix.EINTR {
+					continue
+				}
+				if err != nil {
+					werr = err
+					break
+				}
+				n += k
+			}
+			return true // done: never wait for the socket here
+		})
+		if err == nil && werr != nil && werr != unix.EAGAIN {
+			err = os.NewSyscallError("write", werr)
+		}
+		if err != nil {
+			s.failOp("write", err)
+			return true // nothing more can be written
+		}
+	}
+	if n == len(b) {
+		return true
+	}
+	rest := append([]byte(nil), b[n:]...)
+	s.ctl.flushers.Add(1)
+	go s.flush(net.Buffers{rest})
+	return false
+}
+
+// flush writes what a writer left of its message, within WriteTimeout,
+// then lets go of the connection. It runs on its own goroutine holding sem.
+func (s *Session) flush(rest net.Buffers) {
+	defer s.ctl.flushers.Done()
+	if _, _, err := s.writeTimed(&rest, time.Time{}); err != nil {
+		s.failOp("write", err)
+	}
+	s.releaseCtl()
+}
+
+// sendCtl writes the message made of bufs on the connection, waiting for
+// it as long as cancel allows, and giving up at dl (zero: none) once its
+// writing has begun: the rest then goes out on a flusher goroutine, and
+// sendCtl returns nil, since the message will be whole. It returns
+// errDeadline when it wrote nothing by cancel or dl, and the session's
+// error when the session ended or the write failed (which ends it).
+func (s *Session) sendCtl(bufs net.Buffers, cancel <-chan struct{}, dl time.Time) error {
+	if err := s.acquireCtl(cancel); err != nil {
+		return err
+	}
+	n, byDeadline, err := s.writeTimed(&bufs, dl)
+	switch {
+	case err == nil:
+	case byDeadline && n == 0:
+		err = errDeadline
+	case byDeadline:
+		s.ctl.flushers.Add(1)
+		go s.flush(bufs)
+		return nil
+	default:
+		err = s.failOp("write", err)
+	}
+	s.releaseCtl()
+	return err
+}
+
+// writeTimed writes bufs (consuming them) within WriteTimeout, or by dl
+// if that is sooner and not zero. It returns the bytes written and, for a
+// write stopped by dl, byDeadline. A stop by WriteTimeout is an error
+// that names it. The caller holds sem.
+func (s *Session) writeTimed(bufs *net.Buffers, dl time.Time) (n int64, byDeadline bool, err error) {
+	limit := time.Now().Add(s.ctl.timeout)
+	byDeadline = !dl.IsZero() && dl.Before(limit)
+	if byDeadline {
+		limit = dl
+	}
+	if err := s.ctl.conn.SetWriteDeadline(limit); err != nil {
+		return 0, false, err
+	}
+	// writeNow writes without a deadline, and a passed one would fail it.
+	defer s.ctl.conn.SetWriteDeadline(time.Time{})
+	n, err = bufs.WriteTo(s.ctl.conn)
+	if err == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
+		return n, false, err
+	}
+	if byDeadline {
+		return n, true, err
+	}
+	// Not wrapped: the session's end must not read as a caller's deadline.
+	return n, false, fmt.Errorf("the peer took no control message for %v (Config.WriteTimeout): %v", s.ctl.timeout, err)
+}
+
+// writeCtl writes one whole control message within WriteTimeout; a
+// failure ends the session and returns its error.
+func (s *Session) writeCtl(msg []byte) error {
+	return s.sendCtl(net.Buffers{msg}, nil, time.Time{})
+}

@@ -1,0 +1,196 @@
+package session
+
+import (
+	"errors"
+	"io"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/shmlink/shmlink/internal/wire"
+	"github.com/shmlink/shmlink/queue"
+	"github.com/stretchr/testify/require"
+)
+
+// rawClient runs the client's handshake on a socket pair and starts a
+// server session on the other end, but no client session: the test plays
+// the client with the memory it created, and reads its socket only if it
+// wants to.
+func rawClient(t *testing.T, ccfg, scfg *Config) (*memory, *Session, func([]byte) error) {
+	t.Helper()
+	cc, sc := socketPair(t)
+	done := make(chan *Session, 1)
+	go func() {
+		s, err := Server(sc, scfg)
+		if err != nil {
+			t.Error(err)
+		}
+		done <- s
+	}()
+	c := ccfg.withDefaults()
+	mem, _, err := clientHandshake(cc, &c)
+	require.NoError(t, err)
+	server := <-done
+	require.NotNil(t, server)
+	t.Cleanup(func() {
+		server.Close()
+		cc.Close()
+		mem.release()
+	})
+	write := func(b []byte) error {
+		_, err := cc.Write(b)
+		return err
+	}
+	return mem, server, write
+}
+
+// announce puts the event that opens stream id on the peer: an empty
+// slice, then a Polling.
+func announceRaw(t *testing.T, mem *memory, id uint32, write func([]byte) error) {
+	t.Helper()
+	off, err := mem.region.Alloc(0)
+	require.NoError(t, err)
+	require.NoError(t, mem.region.SetPayload(off, 0))
+	require.NoError(t, mem.send.Put(queue.Event{StreamID: id, Offset: off}))
+	require.NoError(t, write(wire.AppendSimple(nil, 3, wire.TypePolling)))
+}
+
+// A peer that keeps putting harmless events (closes of unknown streams)
+// cannot keep the receive loop busy past Close (docs/protocol.md section
+// 13): harvest lets go of the queue every maxHarvest events.
+func TestEventFloodDoesNotBlockClose(t *testing.T) {
+	mem, server, write := rawClient(t, nil, nil)
+	stop := make(chan struct{})
+	flooding := make(chan struct{})
+	go func() {
+		defer close(flooding)
+		for i := uint32(0); ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if mem.send.Put(queue.Event{StreamID: 1000 + i%1000, Status: stateClosed}) != nil {
+				continue // full: the server is behind
+			}
+			if mem.send.MarkWorking() {
+				// Failing once the server closed the connection: the
+				// flood goes on all the same, as from a peer process.
+				write(wire.AppendSimple(nil, 3, wire.TypePolling))
+			}
+		}
+	}()
+	defer func() { close(stop); <-flooding }()
+	// The flood has reached the server once it counts thousands of events.
+	waitFor(t, "the flood", func() bool { return server.Stats().EventsReceived > 100_000 })
+	closed := make(chan struct{})
+	go func() {
+		server.Close()
+		close(closed)
+	}()
+	waitDone(t, closed, "Close during an event flood")
+}
+
+// A server session refuses streams beyond Config.MaxStreams: the client
+// reads io.EOF on them, and the server counts them in Stats.
+func TestMaxStreams(t *testing.T) {
+	client, server := pairWith(t, nil, &Config{MaxStreams: 3})
+	var open []*Stream
+	for range 3 {
+		c, err := client.OpenStream(t.Context())
+		require.NoError(t, err)
+		open = append(open, c)
+		accept(t, server)
+	}
+	for range 5 {
+		c, err := client.OpenStream(t.Context())
+		require.NoError(t, err)
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+		_, err = c.Read(make([]byte, 1))
+		require.ErrorIs(t, err, io.EOF, "a refused stream reads EOF")
+		require.NoError(t, c.Close())
+	}
+	require.EqualValues(t, 5, server.Stats().StreamsRefused)
+	// The refused ids were answered: the server keeps no state for them.
+	waitFor(t, "the refused ids are forgotten", func() bool {
+		server.mu.Lock()
+		defer server.mu.Unlock()
+		return len(server.tab.refused) == 0
+	})
+	// The open streams still work.
+	_, err := open[0].Write([]byte("x"))
+	require.NoError(t, err)
+}
+
+// boundedAdd keeps at most maxAwaiting ids, whatever a peer does.
+func TestBoundedAdd(t *testing.T) {
+	var ids map[uint32]struct{}
+	for id := range uint32(3 * maxAwaiting) {
+		boundedAdd(&ids, id)
+	}
+	require.Len(t, ids, maxAwaiting)
+}
+
+// FallbackData for a stream nobody reads is taken only up to the limits
+// (docs/protocol.md section 13); past them the session ends with an error
+// that names them, instead of the heap growing with what the peer sends.
+func TestFallbackDataLimit(t *testing.T) {
+	client, server := pairWith(t, nil, &Config{StreamHeapLimit: 64 << 10, MaxMessageSize: 64 << 10})
+	c, err := client.OpenStream(t.Context())
+	require.NoError(t, err)
+	accept(t, server) // and never read
+	data := make([]byte, 32<<10)
+	for i := 0; ; i++ {
+		require.Less(t, i, 100, "the server took 3 MiB for a stream nobody reads")
+		if client.writeFallback(c.ID(), data, false, nil) != nil {
+			break // the server ended the session
+		}
+		if isClosedChan(server.dead) {
+			break
+		}
+	}
+	waitDone(t, server.Done(), "the server's end")
+	require.ErrorContains(t, server.Err(), "StreamHeapLimit")
+}
+
+// A peer that stops reading its control connection cannot block our
+// writers: a stream's write returns at its deadline, and the session ends
+// after Config.WriteTimeout with an error that names it and is not a
+// caller's deadline (docs/protocol.md section 13).
+func TestWriteTimeout(t *testing.T) {
+	mem, server, write := rawClient(t,
+		&Config{BufferSize: 64 << 10, SizeClasses: tinyConfig().SizeClasses},
+		&Config{Fallback: true, WriteTimeout: 500 * time.Millisecond})
+	announceRaw(t, mem, 2, write)
+	st := accept(t, server)
+	// The client never frees a slice nor reads its socket: the region
+	// fills, the server falls back to FallbackData, the socket fills.
+	require.NoError(t, st.SetWriteDeadline(time.Now().Add(200*time.Millisecond)))
+	data := make([]byte, 1<<20)
+	var err error
+	for range 64 {
+		if _, err = st.Write(data); err != nil {
+			break
+		}
+	}
+	require.Error(t, err)
+	waitDone(t, server.Done(), "the session's end after WriteTimeout")
+	serr := server.Err()
+	require.ErrorContains(t, serr, "WriteTimeout")
+	require.False(t, errors.Is(serr, os.ErrDeadlineExceeded), "the session's end is not a deadline: %v", serr)
+}
+
+// One harvest pops at most maxHarvest events and says there are more: the
+// receive loop then checks for the session's end before it goes on.
+func TestHarvestBound(t *testing.T) {
+	mem, server, _ := rawClient(t, nil, nil)
+	for i := range 3 * maxHarvest {
+		require.NoError(t, mem.send.Put(queue.Event{StreamID: 1000 + uint32(i), Status: stateClosed}))
+	}
+	server.rx.mu.Lock()
+	more, err := server.harvestLocked(server.shm.mem, true)
+	server.rx.mu.Unlock()
+	require.NoError(t, err)
+	require.True(t, more)
+	require.EqualValues(t, maxHarvest, server.Stats().EventsReceived)
+}
