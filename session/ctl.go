@@ -34,6 +34,13 @@ type ctlWriter struct {
 	pollOwed atomic.Bool     // a Polling is to be written by sem's holder
 	pollMsg  []byte          // the encoded Polling message
 	flushers sync.WaitGroup  // flusher goroutines; Session.Close waits for them
+
+	// The state of writeNow's raw write, made once so that a write
+	// allocates nothing; owned by sem's holder.
+	rawBuf  []byte
+	rawN    int
+	rawErr  error
+	rawFunc func(fd uintptr) bool
 }
 
 func newCtlWriter(conn net.Conn, version uint8, timeout time.Duration) *ctlWriter {
@@ -46,7 +53,27 @@ func newCtlWriter(conn net.Conn, version uint8, timeout time.Duration) *ctlWrite
 	if sc, ok := conn.(syscall.Conn); ok {
 		c.raw, _ = sc.SyscallConn()
 	}
+	c.rawFunc = c.writeRaw
 	return c
+}
+
+// writeRaw writes rawBuf on fd until it is written or the socket would
+// block, never waiting: it is the function writeNow passes to RawConn.
+func (c *ctlWriter) writeRaw(fd uintptr) bool {
+	for c.rawN < len(c.rawBuf) {
+		k, err := unix.Write(int(fd), c.rawBuf[c.rawN:])
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			if err != unix.EAGAIN {
+				c.rawErr = os.NewSyscallError("write", err)
+			}
+			break
+		}
+		c.rawN += k
+	}
+	return true // done: never wait for the socket here
 }
 
 // wake sends the peer a Polling (docs/protocol.md section 3.3) without
@@ -116,25 +143,14 @@ func (s *Session) releaseCtl() {
 // what it does not take goes to a flusher goroutine, which then holds the
 // connection, and writeNow reports false. The caller holds sem.
 func (s *Session) writeNow(b []byte) bool {
+	c := s.ctl
 	n := 0
-	if s.ctl.raw != nil {
-		var werr error
-		err := s.ctl.raw.Write(func(fd uintptr) bool {
-			for n < len(b) {
-				k, err := unix.Write(int(fd), b[n:])
-				if err == unix.EINTR {
-					continue
-				}
-				if err != nil {
-					werr = err
-					break
-				}
-				n += k
-			}
-			return true // done: never wait for the socket here
-		})
-		if err == nil && werr != nil && werr != unix.EAGAIN {
-			err = os.NewSyscallError("write", werr)
+	if c.raw != nil {
+		c.rawBuf, c.rawN, c.rawErr = b, 0, nil
+		err := c.raw.Write(c.rawFunc)
+		n, c.rawBuf = c.rawN, nil
+		if err == nil {
+			err = c.rawErr
 		}
 		if err != nil {
 			s.failOp("write", err)
@@ -145,7 +161,7 @@ func (s *Session) writeNow(b []byte) bool {
 		return true
 	}
 	rest := append([]byte(nil), b[n:]...)
-	s.ctl.flushers.Add(1)
+	c.flushers.Add(1)
 	go s.flush(net.Buffers{rest})
 	return false
 }

@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"syscall"
@@ -31,6 +32,7 @@ type memory struct {
 	region           *buffer.Region
 	send, recv       *queue.Ring
 	remove           []string // file paths this side created and still has to unlink
+	sealed           bool     // the peer cannot shrink the memory (shm.SealShrink)
 }
 
 // release unmaps both mappings and removes the files still owned.
@@ -389,6 +391,11 @@ func mapShared(bufFd, queueFd int) (_ *memory, err error) {
 			mem.release()
 		}
 	}()
+	// A peer that truncates its memory under our mapping makes our next
+	// access fault: seal it where the peer allows; every access goes
+	// through the fault guard anyway (fault.go).
+	mem.sealed = shm.SealShrink(bufFd) && shm.SealShrink(queueFd)
+	defer catchFault(&err, debug.SetPanicOnFault(true))
 	if mem.bufMem, err = shm.Map(bufFd, 0); err != nil {
 		return nil, handshakeError("map buffer", err)
 	}

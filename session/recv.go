@@ -414,10 +414,10 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 		charge += region.SliceSize(soff)
 	}
 	st.mu.Lock()
+	defer st.mu.Unlock()
 	if st.state.has(stClosed) || total == 0 {
 		// Nothing to read: a closed stream drops its data, and an empty
 		// message (the announcement of a new stream) carries none.
-		st.mu.Unlock()
 		_, err := region.FreeChain(off)
 		return err
 	}
@@ -434,7 +434,6 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 		st.recv = append(st.recv, chunk{data: data, remain: total})
 		st.buffered += total
 		st.addHeap(total)
-		st.mu.Unlock()
 		s.ctr.spilled.Add(uint64(total))
 		st.notifyRead()
 		_, err := region.FreeChain(off)
@@ -442,7 +441,6 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 	}
 	p, next, hasNext, err := region.Payload(off)
 	if err != nil {
-		st.mu.Unlock()
 		return err
 	}
 	c := chunk{off: off, data: p[:min(len(p), total)], next: next, hasNext: hasNext, remain: total, links: 1, charge: charge}
@@ -450,14 +448,12 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 	st.buffered += total
 	st.shm += charge
 	s.shm.unread.Add(int64(charge))
-	var aerr error
+	st.notifyRead()
 	if len(c.data) == 0 {
 		// The first slice is empty: move to the first one with bytes.
-		aerr = st.advanceLocked(region, &st.recv[len(st.recv)-1])
+		return st.advanceLocked(region, &st.recv[len(st.recv)-1])
 	}
-	st.mu.Unlock()
-	st.notifyRead()
-	return aerr
+	return nil
 }
 
 // mustCopyOut reports whether a message of total bytes in slices of charge
@@ -528,21 +524,25 @@ func (st *Stream) dropUnread() {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if m := s.shm.mem; m != nil {
-		for i := st.rhead; i < len(st.recv); i++ {
-			// Errors mean the peer corrupted its own chains; there is
-			// nothing left to read from them, so they are ignored here.
-			if c := st.recv[i]; c.off != 0 {
-				if c.pinned {
-					st.held = append(st.held, c.off)
-				} else {
-					m.region.Free(c.off)
-				}
-				if c.hasNext {
-					m.region.FreeChain(c.next)
+		// Errors mean the peer corrupted its own chains, or truncated its
+		// memory; there is nothing left to read from them, so they are
+		// ignored here.
+		guard(func() error {
+			for i := st.rhead; i < len(st.recv); i++ {
+				if c := st.recv[i]; c.off != 0 {
+					if c.pinned {
+						st.held = append(st.held, c.off)
+					} else {
+						m.region.Free(c.off)
+					}
+					if c.hasNext {
+						m.region.FreeChain(c.next)
+					}
 				}
 			}
-		}
-		st.releaseHeldLocked(m.region)
+			st.releaseHeldLocked(m.region)
+			return nil
+		})
 	}
 	s.shm.unread.Add(-int64(st.shm))
 	s.shm.heapUnread.Add(-int64(st.heap))
@@ -597,21 +597,13 @@ func (st *Stream) stalled() bool {
 func (st *Stream) whenReadable(want int, f func(region *buffer.Region) error) error {
 	s := st.s
 	for {
-		s.shm.mu.RLock()
-		st.mu.Lock()
-		m, state, buffered := s.shm.mem, st.state, st.buffered
-		ended := state.has(stRemoteClosed) || m == nil || isClosedChan(s.dead)
-		if !state.has(stClosed) && m != nil && (buffered >= want || (ended && buffered > 0)) {
-			err := f(m.region)
-			st.mu.Unlock()
-			s.shm.mu.RUnlock()
+		ran, state, buffered, ended, err := st.tryRead(want, f)
+		if ran {
 			if err != nil {
 				return s.failOp("read", err)
 			}
 			return nil
 		}
-		st.mu.Unlock()
-		s.shm.mu.RUnlock()
 		switch {
 		case state.has(stClosed):
 			return ErrStreamClosed
@@ -624,6 +616,24 @@ func (st *Stream) whenReadable(want int, f func(region *buffer.Region) error) er
 			return err
 		}
 	}
+}
+
+// tryRead runs f, under the fault guard, if want bytes are buffered, or
+// fewer but some once the stream ended; ran says whether it did. It
+// returns what it saw of the stream otherwise.
+func (st *Stream) tryRead(want int, f func(region *buffer.Region) error) (ran bool, state streamState, buffered int, ended bool, err error) {
+	s := st.s
+	s.shm.mu.RLock()
+	defer s.shm.mu.RUnlock()
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	m := s.shm.mem
+	state, buffered = st.state, st.buffered
+	ended = state.has(stRemoteClosed) || m == nil || isClosedChan(s.dead)
+	if state.has(stClosed) || m == nil || (buffered < want && (!ended || buffered == 0)) {
+		return false, state, buffered, ended, nil
+	}
+	return true, state, buffered, ended, guard(func() error { return f(m.region) })
 }
 
 // waitForData waits until something may have changed for a reader waiting
@@ -801,11 +811,12 @@ func (st *Stream) ReleasePreviousRead() {
 	defer s.shm.mu.RUnlock()
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if s.shm.mem == nil {
+	if m := s.shm.mem; m == nil {
 		st.held = st.held[:0]
-		return
+	} else if err := guard(func() error { st.releaseHeldLocked(m.region); return nil }); err != nil {
+		st.held = st.held[:0]
+		go s.failOp("release", err)
 	}
-	st.releaseHeldLocked(s.shm.mem.region)
 }
 
 // releaseHeldLocked recycles the slices behind zero-copy results. The
@@ -969,14 +980,13 @@ func (st *Stream) spin(want int) bool {
 // queue or a chain is corrupt.
 func (st *Stream) spinBatch(want int) (harvested bool, err error) {
 	s := st.s
-	s.withMem(func(m *memory) error { // unmapped: the caller sees the session's end
+	merr := s.withMem(func(m *memory) error {
 		m.recv.SetWorking()
 		for range spinBatch {
-			if m.recv.Empty() || !s.rx.mu.TryLock() {
+			var did bool
+			if did, err = s.tryHarvest(m); !did {
 				continue
 			}
-			_, err = s.harvestLocked(m, false)
-			s.rx.mu.Unlock()
 			harvested = true
 			if err != nil || st.readyFor(want) {
 				break
@@ -984,7 +994,22 @@ func (st *Stream) spinBatch(want int) (harvested bool, err error) {
 		}
 		return nil
 	})
+	if err == nil && isFault(merr) {
+		err = merr
+	}
 	return harvested, err
+}
+
+// tryHarvest harvests the receive queue, without settling its working
+// flag, if it holds events and nobody else harvests it now; did says
+// whether it did. The caller holds shm.mu's read lock.
+func (s *Session) tryHarvest(m *memory) (did bool, err error) {
+	if m.recv.Empty() || !s.rx.mu.TryLock() {
+		return false, nil
+	}
+	defer s.rx.mu.Unlock()
+	_, err = s.harvestLocked(m, false)
+	return true, err
 }
 
 // readyFor reports whether a reader waiting for want bytes can go on.

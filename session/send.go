@@ -376,9 +376,7 @@ func (s *Session) putEvent(m *memory, ev queue.Event, closed, cancel <-chan stru
 // full (the caller counts that in Stats.QueueFull); any other error ends
 // the session. The caller holds shm.mu's read lock.
 func (s *Session) put(m *memory, ev queue.Event) (full bool, err error) {
-	s.putMu.Lock()
-	err = m.send.Put(ev)
-	s.putMu.Unlock()
+	err = s.putLocked(m, ev)
 	switch {
 	case err == nil:
 		s.ctr.eventsSent.Add(1)
@@ -387,6 +385,14 @@ func (s *Session) put(m *memory, ev queue.Event) (full bool, err error) {
 		return true, nil
 	}
 	return false, s.failOp("send", err)
+}
+
+// putLocked puts ev on the send queue under putMu, released even if the
+// access faults. The caller holds shm.mu's read lock.
+func (s *Session) putLocked(m *memory, ev queue.Event) error {
+	s.putMu.Lock()
+	defer s.putMu.Unlock()
+	return m.send.Put(ev)
 }
 
 // sendCloseLocked tells the peer that stream id is closed: an event

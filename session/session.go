@@ -198,14 +198,21 @@ func (m *sharedMem) init(mem *memory, c *Config) {
 }
 
 // withMem runs f with the mapping read-locked, or returns the session's
-// error without running it once the memory is unmapped.
+// error without running it once the memory is unmapped. A fault on the
+// memory while f runs ends the session (fault.go), and withMem returns
+// the session's error.
 func (s *Session) withMem(f func(m *memory) error) error {
 	s.shm.mu.RLock()
 	defer s.shm.mu.RUnlock()
-	if s.shm.mem == nil {
+	m := s.shm.mem
+	if m == nil {
 		return s.Err()
 	}
-	return f(s.shm.mem)
+	err := guard(func() error { return f(m) })
+	if err != nil && isFault(err) {
+		return s.failOp("shared memory", err)
+	}
+	return err
 }
 
 // Version returns the negotiated protocol version, 2 or 3.

@@ -41,6 +41,23 @@ func CreateMemfd(name string, size int) (*os.File, error) {
 	return os.NewFile(uintptr(fd), "memfd:"+name), nil
 }
 
+// SealShrink seals the shared-memory file fd against shrinking, unless it
+// is sealed so already, and reports whether it is sealed now. Only a memfd
+// whose creator allowed sealing (MFD_ALLOW_SEALING, and no F_SEAL_SEAL)
+// can be; a file, or another memfd, may still be truncated by its owner
+// under our mapping, and an access past the new end then faults (SIGBUS).
+func SealShrink(fd int) bool {
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return false
+	}
+	if seals&unix.F_SEAL_SHRINK != 0 {
+		return true
+	}
+	_, err = unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK)
+	return err == nil
+}
+
 // CreateFile creates the file at path with O_EXCL, mode 0600 (whatever the
 // umask) and close-on-exec, and sizes it to size bytes. It fails with an
 // *os.PathError wrapping fs.ErrExist if the path exists, so a file planted by

@@ -1,0 +1,67 @@
+package session
+
+import (
+	"fmt"
+	"runtime/debug"
+
+	"github.com/shmlink/shmlink/buffer"
+)
+
+// A peer may truncate the file or memfd behind our mapping of its shared
+// memory; the next access past the new end faults (SIGBUS), which would
+// kill the process. A memfd is sealed against that where the peer allows
+// it (shm.SealShrink), but a file cannot be, so every access to the peer's
+// memory runs with runtime/debug.SetPanicOnFault set: a fault becomes a
+// panic that guard recovers as a *faultError, and the session ends with it
+// (docs/protocol.md section 13). Locks taken under a guard are released by
+// deferred calls, so that nothing stays locked after such a panic.
+//
+// Bytes that zero-copy calls (Peek, ReadBytes, ReadChunk, Reserve) hand to
+// the application are outside any guard: on memory the peer can truncate,
+// the application's own access to them may fault.
+
+// faultError is a fault on the peer's shared memory.
+type faultError struct{ addr uintptr }
+
+func (e *faultError) Error() string {
+	return fmt.Sprintf("fault at address %#x: the peer truncated its shared memory", e.addr)
+}
+
+// Unwrap makes a fault an error wrapping buffer.ErrCorrupt.
+func (e *faultError) Unwrap() error { return buffer.ErrCorrupt }
+
+// guard runs f with faults turned into an error (see above).
+func guard(f func() error) (err error) {
+	defer catchFault(&err, debug.SetPanicOnFault(true))
+	return f()
+}
+
+// catchFault, deferred with the setting SetPanicOnFault returned, restores
+// it and turns a fault panic into *err; any other panic goes on.
+func catchFault(err *error, old bool) {
+	debug.SetPanicOnFault(old)
+	if r := recover(); r != nil {
+		fa, ok := r.(interface{ Addr() uintptr })
+		if !ok {
+			panic(r)
+		}
+		*err = &faultError{fa.Addr()}
+	}
+}
+
+// isFault reports whether err is, or wraps, a fault on shared memory. It
+// walks the chain by hand: errors.As would move its target to the heap on
+// every call, and this one runs on the read path.
+func isFault(err error) bool {
+	for err != nil {
+		if _, ok := err.(*faultError); ok {
+			return true
+		}
+		u, ok := err.(interface{ Unwrap() error })
+		if !ok {
+			return false
+		}
+		err = u.Unwrap()
+	}
+	return false
+}

@@ -1,0 +1,170 @@
+package session
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/internal/shm"
+	"github.com/shmlink/shmlink/internal/wire"
+	"github.com/shmlink/shmlink/queue"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// truncClient is a client that keeps the files of its shared memory, so
+// that it can truncate them under the server's mapping, as a hostile or
+// broken peer may (docs/protocol.md section 13).
+type truncClient struct {
+	mem    *memory
+	files  []*os.File // buffer, queue
+	server *Session
+	conn   *os.File
+	write  func([]byte) error
+}
+
+// memfdUnsealed creates a memfd of size bytes the way a peer that does not
+// seal it would; allowSealing leaves the server the choice to.
+func memfdUnsealed(t *testing.T, size int, allowSealing bool) *os.File {
+	t.Helper()
+	flags := unix.MFD_CLOEXEC
+	if allowSealing {
+		flags |= unix.MFD_ALLOW_SEALING
+	}
+	fd, err := unix.MemfdCreate("shmlink-test", flags)
+	require.NoError(t, err)
+	require.NoError(t, unix.Ftruncate(fd, int64(size)))
+	return os.NewFile(uintptr(fd), "memfd")
+}
+
+// newTruncClient runs a v3 handshake with memory of type mt: files in a
+// temporary ShmDir, or memfds made by memfdUnsealed.
+func newTruncClient(t *testing.T, mt MemoryType, allowSealing bool) *truncClient {
+	t.Helper()
+	dir := t.TempDir()
+	cfg := (&Config{ShmDir: dir}).withDefaults()
+	cc, sc := socketPair(t)
+	done := make(chan *Session, 1)
+	go func() {
+		s, err := Server(sc, &Config{ShmDir: dir})
+		if err != nil {
+			t.Error(err)
+		}
+		done <- s
+	}()
+	meta := wire.ShmMetadata{BufferPath: filepath.Join(dir, "b"), QueuePath: filepath.Join(dir, "q")}
+	qsize := queue.Size(cfg.QueueCap)
+	var files []*os.File
+	if mt == MemoryFile {
+		for _, f := range []struct {
+			path string
+			size int
+		}{{meta.BufferPath, cfg.BufferSize}, {meta.QueuePath, qsize}} {
+			file, err := shm.CreateFile(f.path, f.size)
+			require.NoError(t, err)
+			files = append(files, file)
+		}
+	} else {
+		files = []*os.File{memfdUnsealed(t, cfg.BufferSize, allowSealing), memfdUnsealed(t, qsize, allowSealing)}
+	}
+	mem := &memory{}
+	var err error
+	mem.bufMem, err = shm.Map(int(files[0].Fd()), cfg.BufferSize)
+	require.NoError(t, err)
+	mem.queueMem, err = shm.Map(int(files[1].Fd()), qsize)
+	require.NoError(t, err)
+	mem.region, err = buffer.Format(mem.bufMem, cfg.SizeClasses)
+	require.NoError(t, err)
+	mem.send, mem.recv, err = queue.FormatPair(mem.queueMem, cfg.QueueCap)
+	require.NoError(t, err)
+	_, err = shareV3(cc, cc, mt, meta, files)
+	require.NoError(t, err)
+	server := <-done
+	require.NotNil(t, server)
+	tc := &truncClient{mem: mem, files: files, server: server,
+		write: func(b []byte) error { _, err := cc.Write(b); return err }}
+	t.Cleanup(func() {
+		server.Close()
+		cc.Close()
+		// Our own mapping outlives the truncation: unmap without touching it.
+		shm.Unmap(mem.bufMem)
+		shm.Unmap(mem.queueMem)
+		closeFiles(files)
+	})
+	return tc
+}
+
+// put puts a message of n bytes for stream id, without waking the server.
+func (tc *truncClient) put(t *testing.T, id uint32, n int) {
+	t.Helper()
+	var w buffer.ChainWriter
+	w.Reset(tc.mem.region)
+	_, err := w.Write(make([]byte, n))
+	require.NoError(t, err)
+	head, _ := w.Finish()
+	require.NoError(t, tc.mem.send.Put(queue.Event{StreamID: id, Offset: head}))
+}
+
+// wake sends the server a Polling.
+func (tc *truncClient) wake(t *testing.T) {
+	t.Helper()
+	require.NoError(t, tc.write(wire.AppendSimple(nil, 3, wire.TypePolling)))
+}
+
+// send puts a message of n bytes for stream id and wakes the server.
+func (tc *truncClient) send(t *testing.T, id uint32, n int) {
+	t.Helper()
+	tc.put(t, id, n)
+	tc.wake(t)
+}
+
+// A peer that truncates its shared memory after the handshake ends its
+// session with an error; the process lives. Each case truncates the buffer
+// or the queue, for memfds the peer did not let us seal and for files,
+// and the server faults in its receive loop or in a reader copying out.
+func TestTruncatedMemory(t *testing.T) {
+	for _, mt := range []MemoryType{MemoryMemfd, MemoryFile} {
+		t.Run(mt.String()+"/queue/receive-loop", func(t *testing.T) {
+			tc := newTruncClient(t, mt, false)
+			require.NoError(t, tc.files[1].Truncate(0))
+			tc.wake(t)
+			waitDone(t, tc.server.Done(), "the session's end")
+			require.ErrorContains(t, tc.server.Err(), "truncated")
+		})
+		t.Run(mt.String()+"/buffer/receive-loop", func(t *testing.T) {
+			tc := newTruncClient(t, mt, false)
+			tc.put(t, 2, 100)
+			// The event is in the queue, whole; its slice is gone.
+			require.NoError(t, tc.files[0].Truncate(0))
+			tc.wake(t)
+			waitDone(t, tc.server.Done(), "the session's end")
+			require.ErrorContains(t, tc.server.Err(), "truncated")
+		})
+		t.Run(mt.String()+"/buffer/reader", func(t *testing.T) {
+			tc := newTruncClient(t, mt, false)
+			tc.send(t, 2, 64<<10) // opens stream 2 with 64 KiB in it
+			st := accept(t, tc.server)
+			waitFor(t, "the message", func() bool { return st.Buffered() == 64<<10 })
+			require.NoError(t, tc.files[0].Truncate(0))
+			_, err := st.Read(make([]byte, 64<<10))
+			require.Error(t, err)
+			waitDone(t, tc.server.Done(), "the session's end")
+			require.ErrorContains(t, tc.server.Err(), "truncated")
+		})
+	}
+}
+
+// A memfd whose creator allowed sealing is sealed against shrinking by
+// the server: the peer can no longer truncate it.
+func TestMemfdSealedByServer(t *testing.T) {
+	tc := newTruncClient(t, MemoryMemfd, true)
+	require.True(t, tc.server.shm.mem.sealed)
+	require.Error(t, tc.files[0].Truncate(0), "the buffer is sealed")
+	require.Error(t, tc.files[1].Truncate(0), "the queue is sealed")
+	tc.send(t, 2, 100)
+	st := accept(t, tc.server)
+	n, err := st.Read(make([]byte, 100))
+	require.NoError(t, err)
+	require.Equal(t, 100, n)
+}
