@@ -22,6 +22,7 @@ lint: vet
 # 60 s of minimization per input would eat the whole budget.
 fuzz:
 	$(GO) test ./buffer -run '^$$' -fuzz '^FuzzRegion$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMIN)
+	$(GO) test ./buffer -run '^$$' -fuzz '^FuzzAttach$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMIN)
 	$(GO) test ./queue -run '^$$' -fuzz '^FuzzRing$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMIN)
 	$(GO) test ./internal/wire -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMIN)
 	$(GO) test ./session -run '^$$' -fuzz '^FuzzServerHandshake$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMIN)

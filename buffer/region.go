@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
+	"math/bits"
 	"sync/atomic"
 	"unsafe"
 )
@@ -172,8 +173,15 @@ func Attach(mem []byte) (*Region, error) {
 			return nil, fmt.Errorf("buffer: attach: list %d at %d: slice size %d below the previous list's %d: %w",
 				i, off, size, lists[i-1].dataSize, ErrCorrupt)
 		}
-		end := off + listHeaderSize + uint64(slices)*(uint64(size)+sliceHeaderSize)
-		if end > limit {
+		// A slice's header and data must fit in 32 bits (offsets are u32),
+		// and so must the list: checked in 64 bits, without overflow.
+		stride := uint64(size) + sliceHeaderSize
+		if stride > math.MaxUint32 {
+			return nil, fmt.Errorf("buffer: attach: list %d at %d: slice size %d: with its header past 4 GiB: %w", i, off, size, ErrCorrupt)
+		}
+		hi, span := bits.Mul64(uint64(slices), stride)
+		end := off + listHeaderSize + span
+		if hi != 0 || span > limit || end > limit {
 			return nil, fmt.Errorf("buffer: attach: list %d at %d: %d slices of %d bytes end at %d, past the used bytes (%d): %w",
 				i, off, slices, size, end, limit, ErrCorrupt)
 		}
