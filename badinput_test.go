@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/shmlink/shmlink/session"
 	"github.com/stretchr/testify/require"
 )
@@ -70,8 +71,8 @@ func requireServes(t *testing.T, ln *shmlink.Listener, network string, cfg *shml
 	conn, err := d.Dial(network, ln.Addr().String())
 	require.NoError(t, err)
 	defer conn.Close()
-	command(t, conn, cmdEcho, 0)
-	require.NoError(t, echo(conn, 100<<10, 42))
+	command(t, conn, peertest.CmdEcho, 0)
+	require.NoError(t, peertest.Echo(conn, 100<<10, 42))
 }
 
 func header(length uint32, version, typ byte) []byte {

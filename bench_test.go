@@ -37,6 +37,7 @@ import (
 	"github.com/hashicorp/yamux"
 	"github.com/quic-go/quic-go"
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/shmlink/shmlink/session"
 )
 
@@ -57,6 +58,10 @@ func benchHeader(mode byte, size, count int) []byte {
 	binary.BigEndian.PutUint64(h[9:], uint64(count))
 	return h
 }
+
+// benchProfileEnv names a file for the server process's CPU profile:
+// go test's -cpuprofile covers the client process only.
+const benchProfileEnv = "SHMLINK_BENCH_SERVER_CPUPROFILE"
 
 // The transports, by their benchmark names.
 const (
@@ -104,16 +109,16 @@ func (q quicStream) Close() error {
 }
 
 // runBenchServer is the server process of the benchmarks: it listens on
-// every transport in SHMLINK_BENCH_DIR (sockets) and on 127.0.0.1 (TCP,
+// every transport in p.Dir (sockets) and on 127.0.0.1 (TCP,
 // QUIC), prints "ready" and the addresses, and serves until standard input
 // closes.
-func runBenchServer() int {
-	dir := os.Getenv("SHMLINK_BENCH_DIR")
+func runBenchServer(p peertest.Params) int {
+	dir := p.Dir
 	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, "bench server:", err)
 		return 1
 	}
-	if path := os.Getenv("SHMLINK_BENCH_SERVER_CPUPROFILE"); path != "" {
+	if path := p.CPUProfile; path != "" {
 		// The server's half of a profile: go test's -cpuprofile covers
 		// the client process only.
 		f, err := os.Create(path)
@@ -293,9 +298,8 @@ func startBenchServer(b *testing.B) *benchPeer {
 		if p.err != nil {
 			return
 		}
-		p.cmd = exec.Command(os.Args[0], "-test.run=^$", "-test.bench=^$")
-		p.cmd.Env = append(os.Environ(), peerEnv+"=bench", "SHMLINK_BENCH_DIR="+p.dir,
-			"QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING=true")
+		p.cmd = peertest.Cmd("bench", peertest.Params{Dir: p.dir, CPUProfile: os.Getenv(benchProfileEnv)})
+		p.cmd.Env = append(p.cmd.Env, "QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING=true")
 		p.cmd.Stderr = os.Stderr
 		if p.stdin, p.err = p.cmd.StdinPipe(); p.err != nil {
 			return

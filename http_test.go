@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/stretchr/testify/require"
 )
 
@@ -54,7 +55,7 @@ type httpCorpus []byte
 // newHTTPCorpus returns a corpus long enough for every body.
 func newHTTPCorpus() httpCorpus {
 	c := make(httpCorpus, httpRequests*httpStride+2<<20)
-	pattern(c, 0, 0)
+	peertest.Pattern(c, 0, 0)
 	return c
 }
 

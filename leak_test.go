@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -90,14 +91,14 @@ func TestCloseLeavesNothing(t *testing.T) {
 			for i, n := range []int{10, 200 << 10, 2 << 20} {
 				c, err := d.Dial(tr.network, ln.Addr().String())
 				require.NoError(t, err)
-				command(t, c, cmdEcho, 0)
-				require.NoError(t, echo(c, n, uint64(i)))
+				command(t, c, peertest.CmdEcho, 0)
+				require.NoError(t, peertest.Echo(c, n, uint64(i)))
 				require.NoError(t, c.Close())
 			}
 			// A stream left open is closed by the Dialer's Close.
 			c, err := d.Dial(tr.network, ln.Addr().String())
 			require.NoError(t, err)
-			command(t, c, cmdEcho, 0)
+			command(t, c, peertest.CmdEcho, 0)
 			require.NoError(t, d.Close())
 			_, err = c.Write([]byte("x"))
 			require.ErrorIs(t, err, net.ErrClosed)
@@ -117,8 +118,8 @@ func TestDialOwnsSession(t *testing.T) {
 	base := snapshot(t)
 	c, err := shmlink.Dial("unix", ln.Addr().String())
 	require.NoError(t, err)
-	command(t, c, cmdEcho, 0)
-	require.NoError(t, echo(c, 70000, 7))
+	command(t, c, peertest.CmdEcho, 0)
+	require.NoError(t, peertest.Echo(c, 70000, 7))
 	require.NoError(t, c.Close())
 	requireNoLeaks(t, base)
 	require.NoError(t, ln.Close())

@@ -1,22 +1,20 @@
 package shmlink_test
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/shmlink/shmlink/session"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -48,31 +46,21 @@ const (
 // and across slice boundaries, and chains of many slices.
 var peerDeathSizes = []int{1, 100, 8172, 8173, 32748, 65536, 131053, 300 << 10, 1 << 20}
 
-// Environment of the client peer process (role "client" of TestMain).
-const (
-	// peerClientEnv selects the client peer's mode: "traffic" (open
-	// peerDeathStreams streams, exchange on all of them until killed,
-	// printing "ready" once every stream has exchanged once) or "once" (a
-	// checked exchange on a few streams, then "ok" and exit 0).
-	peerClientEnv = "SHMLINK_TEST_PEER_CLIENT"
-	// peerClientSeedEnv derives the traffic patterns of the client peer.
-	peerClientSeedEnv = "SHMLINK_TEST_PEER_SEED"
-)
-
-// runPeerClient is the client peer: it dials SHMLINK_TEST_ADDR over
-// SHMLINK_TEST_NET with its shared memory in SHMLINK_TEST_SHMDIR, of the
-// SHMLINK_TEST_MEMORY type, and runs mode (see peerClientEnv). The server
-// echoes every stream.
-func runPeerClient(mode string) int {
+// runPeerClient is the "client" role: it dials p.Addr over p.Network with
+// its shared memory in p.ShmDir, of type p.Memory, and runs p.Mode:
+// "traffic" opens peerDeathStreams streams and exchanges on all of them
+// until killed, printing "ready" once every stream has exchanged once;
+// "once" runs a checked exchange on a few streams, prints "ok" and exits
+// 0. The server echoes every stream; p.Seed derives the patterns.
+func runPeerClient(p peertest.Params) int {
 	memory := shmlink.MemoryAuto
 	for _, m := range []shmlink.MemoryType{shmlink.MemoryMemfd, shmlink.MemoryFile} {
-		if m.String() == os.Getenv("SHMLINK_TEST_MEMORY") {
+		if m.String() == p.Memory {
 			memory = m
 		}
 	}
-	seed, _ := strconv.ParseUint(os.Getenv(peerClientSeedEnv), 10, 64)
-	network, addr := os.Getenv("SHMLINK_TEST_NET"), os.Getenv("SHMLINK_TEST_ADDR")
-	d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: os.Getenv("SHMLINK_TEST_SHMDIR"), MemoryType: memory}}
+	seed, mode, network, addr := p.Seed, p.Mode, p.Network, p.Addr
+	d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: p.ShmDir, MemoryType: memory}}
 	defer d.Close()
 	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, "client peer:", err)
@@ -85,7 +73,7 @@ func runPeerClient(mode string) int {
 			if err != nil {
 				return fail(err)
 			}
-			if err := echo(c, n, seed+uint64(i)); err != nil {
+			if err := peertest.Echo(c, n, seed+uint64(i)); err != nil {
 				return fail(err)
 			}
 			if err := c.Close(); err != nil {
@@ -105,7 +93,7 @@ func runPeerClient(mode string) int {
 			go func() {
 				for round := 0; ; round++ {
 					n := peerDeathSizes[(i+round)%len(peerDeathSizes)]
-					if err := echo(c, n, seed^uint64(i)<<32^uint64(round)); err != nil {
+					if err := peertest.Echo(c, n, seed^uint64(i)<<32^uint64(round)); err != nil {
 						// Only the test's side can end the traffic; it never
 						// does before the kill, so this is a failure.
 						fmt.Fprintf(os.Stderr, "client peer: stream %d round %d: %v\n", i, round, err)
@@ -124,100 +112,6 @@ func runPeerClient(mode string) int {
 		return 0
 	}
 	return fail(fmt.Errorf("unknown mode %q", mode))
-}
-
-// peerProc is a peer process run by the peer-death tests.
-type peerProc struct {
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	lines  chan string // standard output, line by line; closed at EOF
-	stderr strings.Builder
-	waited bool
-	err    error // of Wait
-}
-
-// startPeerProc starts the test binary as a peer with env added to the
-// environment; the test's end kills it if it still runs.
-func startPeerProc(t *testing.T, args []string, env ...string) *peerProc {
-	t.Helper()
-	p := &peerProc{lines: make(chan string, 16)}
-	p.cmd = exec.Command(os.Args[0], args...)
-	p.cmd.Env = append(os.Environ(), env...)
-	p.cmd.Stderr = &p.stderr
-	var err error
-	p.stdin, err = p.cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := p.cmd.StdoutPipe()
-	require.NoError(t, err)
-	require.NoError(t, p.cmd.Start())
-	go func() {
-		defer close(p.lines)
-		r := bufio.NewScanner(stdout)
-		for r.Scan() {
-			p.lines <- r.Text()
-		}
-	}()
-	t.Cleanup(func() {
-		if !p.waited {
-			p.cmd.Process.Kill()
-			p.wait()
-		}
-	})
-	return p
-}
-
-// wait reaps the process once its standard output is read to the end.
-func (p *peerProc) wait() error {
-	if !p.waited {
-		for range p.lines {
-		}
-		p.err = p.cmd.Wait()
-		p.waited = true
-	}
-	return p.err
-}
-
-// expect waits for the next line of the peer's output and checks that it
-// starts with prefix; it returns the rest of the line.
-func (p *peerProc) expect(t *testing.T, prefix string) string {
-	t.Helper()
-	select {
-	case line, ok := <-p.lines:
-		if ok && strings.HasPrefix(line, prefix) {
-			return strings.TrimSpace(strings.TrimPrefix(line, prefix))
-		}
-		p.cmd.Process.Kill()
-		err := p.wait()
-		t.Fatalf("peer said %q (output ended: %v), want %q; exit: %v; stderr: %s", line, !ok, prefix, err, p.stderr.String())
-	case <-time.After(30 * time.Second):
-		p.cmd.Process.Kill()
-		p.wait()
-		t.Fatalf("peer did not say %q in 30 s; stderr: %s", prefix, p.stderr.String())
-	}
-	return ""
-}
-
-// kill kills the peer with SIGKILL, reaps it, and returns when the signal
-// was sent. The peer must not have complained on its standard error.
-func (p *peerProc) kill(t *testing.T) time.Time {
-	t.Helper()
-	at := time.Now()
-	require.NoError(t, p.cmd.Process.Signal(syscall.SIGKILL))
-	err := p.wait()
-	var ee *exec.ExitError
-	require.ErrorAs(t, err, &ee)
-	ws, ok := ee.Sys().(syscall.WaitStatus)
-	require.True(t, ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL, "peer exit: %v; stderr: %s", err, p.stderr.String())
-	require.Empty(t, p.stderr.String(), "peer stderr before the kill")
-	return at
-}
-
-// stop closes the peer's standard input and checks that it exits cleanly.
-func (p *peerProc) stop(t *testing.T) {
-	t.Helper()
-	p.stdin.Close()
-	require.NoError(t, p.wait(), "peer exit; stderr: %s", p.stderr.String())
-	require.Empty(t, p.stderr.String(), "peer stderr")
 }
 
 // peerDeathRand returns the random source of the kill delays and logs its
@@ -299,7 +193,7 @@ func TestPeerDeathClient(t *testing.T) {
 		t.Run(tr.name, func(t *testing.T) {
 			ln, cfg := listen(t, tr.network)
 			ends := make(chan streamEnd, 2*peerDeathStreams)
-			wait := serveEach(ln, func(c net.Conn) {
+			wait := peertest.ServeEach(ln, func(c net.Conn) {
 				_, err := io.Copy(c, c)
 				ends <- streamEnd{at: time.Now(), err: err, s: c.(*shmlink.Stream).Session()}
 			})
@@ -308,24 +202,26 @@ func TestPeerDeathClient(t *testing.T) {
 				wait()
 			}()
 			base := snapshot(t, cfg.ShmDir)
-			env := []string{"SHMLINK_TEST_NET=" + tr.network, "SHMLINK_TEST_ADDR=" + ln.Addr().String(),
-				"SHMLINK_TEST_SHMDIR=" + cfg.ShmDir, "SHMLINK_TEST_MEMORY=" + tr.memory.String()}
-			args := []string{"-test.run=^$"}
+			params := peertest.Params{Network: tr.network, Addr: ln.Addr().String(),
+				ShmDir: cfg.ShmDir, Memory: tr.memory.String()}
 			for kill := range peerDeathKills {
-				p := startPeerProc(t, args, append(env, peerEnv+"=client", peerClientEnv+"=traffic",
-					fmt.Sprintf("%s=%d", peerClientSeedEnv, kill))...)
-				p.expect(t, "ready")
+				traffic := params
+				traffic.Mode, traffic.Seed = "traffic", uint64(kill)
+				p := peertest.Start(t, "client", traffic)
+				p.Expect(t, "ready")
 				require.Equal(t, 1, ln.NumSessions())
 				time.Sleep(time.Duration(rng.Int64N(int64(peerDeathMaxDelay)))) // a random point of the traffic
-				killedAt := p.kill(t)
+				killedAt := p.Crash(t)
 				took := requireAllFailed(t, ends, peerDeathStreams, killedAt)
 				worst = max(worst, took)
 				t.Logf("kill %d: all %d streams failed within %v", kill, peerDeathStreams, took)
 
 				// A new client is served at once.
-				p = startPeerProc(t, args, append(env, peerEnv+"=client", peerClientEnv+"=once", peerClientSeedEnv+"=7")...)
-				p.expect(t, "ok")
-				require.NoError(t, p.wait(), "stderr: %s", p.stderr.String())
+				once := params
+				once.Mode, once.Seed = "once", 7
+				p = peertest.Start(t, "client", once)
+				p.Expect(t, "ok")
+				require.NoError(t, p.Wait(), "stderr: %s", p.Stderr())
 				for range 4 {
 					e := <-ends
 					require.NoError(t, e.err, "the new client's streams end cleanly")
@@ -362,22 +258,22 @@ func TestPeerDeathServer(t *testing.T) {
 			// start runs the server peer at addr, replacing the socket file
 			// of a killed one. A TCP port taken meanwhile by another process
 			// moves the server to a new port.
-			start := func() *peerProc {
+			start := func() *peertest.Proc {
 				if tr.network == "unix" {
 					os.Remove(addr)
 				}
-				env := []string{peerEnv + "=server", "SHMLINK_TEST_NET=" + tr.network,
-					"SHMLINK_TEST_SHMDIR=" + shmDir}
-				p := startPeerProc(t, []string{"-test.run=^$"}, append(env, "SHMLINK_TEST_ADDR="+addr)...)
-				if line, ok := <-p.lines; ok {
+				params := peertest.Params{Network: tr.network, Addr: addr, ShmDir: shmDir}
+				p := peertest.Start(t, "server", params)
+				if line, ok := p.NextLine(); ok {
 					addr = strings.TrimPrefix(line, "ready ")
 					return p
 				}
-				err := p.wait()
-				require.Equal(t, "tcp", tr.network, "server peer failed: %v; stderr: %s", err, p.stderr.String())
-				t.Logf("port of %s taken: %s", addr, p.stderr.String())
-				p = startPeerProc(t, []string{"-test.run=^$"}, append(env, "SHMLINK_TEST_ADDR=127.0.0.1:0")...)
-				addr = p.expect(t, "ready ")
+				err := p.Wait()
+				require.Equal(t, "tcp", tr.network, "server peer failed: %v; stderr: %s", err, p.Stderr())
+				t.Logf("port of %s taken: %s", addr, p.Stderr())
+				params.Addr = "127.0.0.1:0"
+				p = peertest.Start(t, "server", params)
+				addr = p.Expect(t, "ready ")
 				return p
 			}
 			d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: shmDir, MemoryType: tr.memory}, IdleTimeout: 20 * time.Millisecond}
@@ -390,9 +286,9 @@ func TestPeerDeathServer(t *testing.T) {
 				defer c.Close()
 				s := c.(*shmlink.Stream).Session()
 				require.NoError(t, s.Err())
-				command(t, c, cmdEcho, 0)
+				command(t, c, peertest.CmdEcho, 0)
 				for i, n := range peerDeathSizes {
-					require.NoError(t, echo(c, n, uint64(i)))
+					require.NoError(t, peertest.Echo(c, n, uint64(i)))
 				}
 				return s
 			}
@@ -410,14 +306,14 @@ func TestPeerDeathServer(t *testing.T) {
 				for i := range peerDeathStreams {
 					c, err := d.Dial(tr.network, addr)
 					require.NoError(t, err)
-					command(t, c, cmdEcho, 0)
+					command(t, c, peertest.CmdEcho, 0)
 					ready.Add(1)
 					go func() {
 						defer c.Close()
 						var err error
 						for round := 0; err == nil; round++ {
 							n := peerDeathSizes[(i+round)%len(peerDeathSizes)]
-							err = echo(c, n, uint64(kill)<<48^uint64(i)<<32^uint64(round))
+							err = peertest.Echo(c, n, uint64(kill)<<48^uint64(i)<<32^uint64(round))
 							if round == 0 {
 								ready.Done()
 							}
@@ -432,7 +328,7 @@ func TestPeerDeathServer(t *testing.T) {
 				default:
 				}
 				time.Sleep(time.Duration(rng.Int64N(int64(peerDeathMaxDelay)))) // a random point of the traffic
-				killedAt := p.kill(t)
+				killedAt := p.Crash(t)
 				took := requireAllFailed(t, ends, peerDeathStreams, killedAt)
 				worst = max(worst, took)
 				t.Logf("kill %d: all %d streams failed within %v", kill, peerDeathStreams, took)
@@ -447,7 +343,7 @@ func TestPeerDeathServer(t *testing.T) {
 				// Stop this server too, so that its session ends and the
 				// counts can go back to where they started.
 				if kill == peerDeathKills-1 {
-					p.stop(t)
+					p.Stop(t)
 				}
 				requireBackTo(t, base, func(c *assert.CollectT) {
 					// The new session is idle: the Dialer closes it.

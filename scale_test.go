@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
@@ -57,7 +58,7 @@ func TestScale(t *testing.T) {
 		peak = max(peak, d.NumSessions())
 		mu.Unlock()
 		msg := make([]byte, scaleMsgSize)
-		pattern(msg, uint64(i), 0)
+		peertest.Pattern(msg, uint64(i), 0)
 		if _, err := c.Write(msg); err != nil {
 			return fmt.Errorf("write: %w", err)
 		}
@@ -65,7 +66,7 @@ func TestScale(t *testing.T) {
 		if _, err := io.ReadFull(c, got); err != nil {
 			return fmt.Errorf("read: %w", err)
 		}
-		if err := checkPattern(got, uint64(i), 0); err != nil {
+		if err := peertest.CheckPattern(got, uint64(i), 0); err != nil {
 			return err
 		}
 		return c.Close()

@@ -13,6 +13,7 @@ import (
 
 	"github.com/shmlink/shmlink"
 	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/shmlink/shmlink/session"
 	"github.com/stretchr/testify/require"
 )
@@ -24,37 +25,6 @@ func command(t testing.TB, c net.Conn, cmd byte, arg uint64) {
 	binary.BigEndian.PutUint64(hdr[1:], arg)
 	_, err := c.Write(hdr[:])
 	require.NoError(t, err)
-}
-
-// echo sends n bytes of pattern(seed) through an echo stream, reading the
-// echo concurrently, and checks every byte and the final EOF.
-func echo(c net.Conn, n int, seed uint64) error {
-	errc := make(chan error, 1)
-	go func() {
-		buf := make([]byte, 64<<10)
-		for off := 0; off < n; off += len(buf) {
-			b := buf[:min(len(buf), n-off)]
-			pattern(b, seed, off)
-			if _, err := c.Write(b); err != nil {
-				errc <- fmt.Errorf("write at %d: %w", off, err)
-				return
-			}
-		}
-		errc <- nil
-	}()
-	buf := make([]byte, 256<<10)
-	got := 0
-	for got < n {
-		k, err := c.Read(buf[:min(len(buf), n-got)])
-		if err := checkPattern(buf[:k], seed, got); err != nil {
-			return err
-		}
-		got += k
-		if err != nil {
-			return fmt.Errorf("read after %d of %d bytes: %w", got, n, err)
-		}
-	}
-	return <-errc
 }
 
 var sizes = []int{1, 100, 8172, 8173, 32748, 65536, 131052, 131053, 1 << 20, 4 << 20, 8 << 20}
@@ -69,8 +39,8 @@ func TestTwoProcessExchange(t *testing.T) {
 					c, err := d.Dial(tr.network, p.addr)
 					require.NoError(t, err)
 					defer c.Close()
-					command(t, c, cmdEcho, 0)
-					require.NoError(t, echo(c, n, uint64(n)))
+					command(t, c, peertest.CmdEcho, 0)
+					require.NoError(t, peertest.Echo(c, n, uint64(n)))
 				})
 			}
 			require.Equal(t, 1, d.NumSessions(), "one session serves every stream")
@@ -86,13 +56,13 @@ func TestTwoProcessEOFAfterClose(t *testing.T) {
 			for _, n := range []int{0, 1, 8173, 1 << 20, 5 << 20} {
 				c, err := d.Dial(tr.network, p.addr)
 				require.NoError(t, err)
-				command(t, c, cmdGenerate, uint64(n))
+				command(t, c, peertest.CmdGenerate, uint64(n))
 				// The server writes and closes at once: every byte must still
 				// arrive before EOF.
 				got, err := io.ReadAll(c)
 				require.NoError(t, err)
 				require.Len(t, got, n)
-				require.NoError(t, checkPattern(got, uint64(n), 0))
+				require.NoError(t, peertest.CheckPattern(got, uint64(n), 0))
 				k, err := c.Read(make([]byte, 1))
 				require.Equal(t, 0, k)
 				require.ErrorIs(t, err, io.EOF)
@@ -121,13 +91,13 @@ func TestTwoProcessConcurrentStreams(t *testing.T) {
 					}
 					defer c.Close()
 					var hdr [9]byte
-					hdr[0] = cmdEcho
+					hdr[0] = peertest.CmdEcho
 					if _, err := c.Write(hdr[:]); err != nil {
 						errs <- err
 						return
 					}
 					n := 1 + rand.IntN(16<<10)
-					if err := echo(c, n, uint64(i)<<32|uint64(n)); err != nil {
+					if err := peertest.Echo(c, n, uint64(i)<<32|uint64(n)); err != nil {
 						errs <- fmt.Errorf("stream %d (%d bytes): %w", i, n, err)
 					}
 				}()
@@ -166,8 +136,8 @@ func TestTwoProcessFallback(t *testing.T) {
 			for _, n := range []int{100, 300 << 10, 3 << 20} {
 				c, err := s.OpenStream(context.Background())
 				require.NoError(t, err)
-				command(t, c, cmdEcho, 0)
-				require.NoError(t, echo(c, n, uint64(n)))
+				command(t, c, peertest.CmdEcho, 0)
+				require.NoError(t, peertest.Echo(c, n, uint64(n)))
 				require.NoError(t, c.Close())
 			}
 			st := s.Stats()
@@ -198,8 +168,8 @@ func TestTwoProcessBackpressure(t *testing.T) {
 			defer s.Close()
 			c, err := s.OpenStream(context.Background())
 			require.NoError(t, err)
-			command(t, c, cmdEcho, 0)
-			require.NoError(t, echo(c, 3<<20, 7))
+			command(t, c, peertest.CmdEcho, 0)
+			require.NoError(t, peertest.Echo(c, 3<<20, 7))
 			st := s.Stats()
 			require.Zero(t, st.FallbackWrites, "%+v", st)
 			require.Zero(t, st.FallbackReads, "%+v", st)

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/shmlink/shmlink/session"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -271,7 +272,7 @@ func (r *soakRun) watchdog() (stop func()) {
 
 // soakFlow is one direction of a stream as the model tracks it: what its
 // writer's calls reported written (the n they returned) and what its
-// reader got. Every byte is pattern(seed) at its offset in the direction.
+// reader got. Every byte is peertest.Pattern(seed) at its offset in the direction.
 type soakFlow struct {
 	seed    uint64
 	written int    // sum of the n of the writer's calls
@@ -290,7 +291,7 @@ func (f *soakFlow) wrote(b []byte) {
 // got checks bytes the reader got against the pattern at the flow's
 // offset and accounts them.
 func (f *soakFlow) got(b []byte) error {
-	if err := checkPattern(b, f.seed, f.read); err != nil {
+	if err := peertest.CheckPattern(b, f.seed, f.read); err != nil {
 		return fmt.Errorf("corrupt, lost, duplicated or reordered data: %w", err)
 	}
 	f.read += len(b)
@@ -451,7 +452,7 @@ func (sd *soakSide) expected(op string, err error, write bool) (end bool, failur
 	return true, fmt.Errorf("%s: %w", op, err)
 }
 
-// write runs the side's writes: random sizes of pattern(out.seed) at the
+// write runs the side's writes: random sizes of peertest.Pattern(out.seed) at the
 // flow's offset, random pauses and deadlines, counting exactly the n each
 // call returns; then a CloseWrite for endHalfClose. It closes abort after
 // plan.abortAt writes, or when it returns.
@@ -492,7 +493,7 @@ func (sd *soakSide) write(abort chan struct{}) error {
 			buf = make([]byte, size)
 		}
 		b := buf[:size]
-		pattern(b, sd.out.seed, sd.out.written)
+		peertest.Pattern(b, sd.out.seed, sd.out.written)
 		n, err := sd.conn.Write(b)
 		if n < 0 || n > size {
 			return fmt.Errorf("write of %d bytes returned n=%d", size, n)
@@ -554,7 +555,7 @@ func (sd *soakSide) reserve(rng *rand.Rand, size int) (stop bool, err error) {
 		if len(b) != k {
 			return true, fmt.Errorf("Reserve(%d) returned %d bytes", k, len(b))
 		}
-		pattern(b, sd.out.seed, off+done)
+		peertest.Pattern(b, sd.out.seed, off+done)
 		sum = crc32.Update(sum, crc32.IEEETable, b)
 		done += k
 		sd.run.zeroCopy.Add(1)
@@ -1013,7 +1014,7 @@ func soakReport(t *testing.T, run *soakRun, name string, elapsed time.Duration, 
 }
 
 // soakTwoProcess runs the two-process variant: the streams echo in the test
-// server process (cmdEcho), so the client side of each stream half-closes
+// server process (peertest.CmdEcho), so the client side of each stream half-closes
 // or aborts (an echo cannot linger), and what it reads back must be
 // exactly what its calls reported written, or a prefix when it closed
 // early. The client's sessions are checked (the region is shared, so
@@ -1037,9 +1038,8 @@ func soakTwoProcess(t *testing.T, tr transport, set soakSettings, variant uint64
 	if tr.network == "unix" {
 		addr = filepath.Join(dir, "s.sock")
 	}
-	proc := startPeerProc(t, []string{"-test.run=^$"}, peerEnv+"=server", "SHMLINK_TEST_NET="+tr.network,
-		"SHMLINK_TEST_ADDR="+addr, "SHMLINK_TEST_SHMDIR="+dir)
-	addr = proc.expect(t, "ready ")
+	proc := peertest.Start(t, "server", peertest.Params{Network: tr.network, Addr: addr, ShmDir: dir})
+	addr = proc.Expect(t, "ready ")
 	base := snapshot(t, dir)
 	ccfg.ShmDir, ccfg.MemoryType = dir, tr.memory
 	d := &shmlink.Dialer{Config: &ccfg, MaxSessions: pool.maxSessions, StreamsPerSession: pool.perSession, IdleTimeout: pool.idle}
@@ -1056,7 +1056,7 @@ func soakTwoProcess(t *testing.T, tr transport, set soakSettings, variant uint64
 	stopWatchdog()
 	soakReport(t, run, "two-process "+tr.name, elapsed, set)
 
-	proc.stop(t)
+	proc.Stop(t)
 	require.NoError(t, d.Close())
 	soakRequireNoFailure(t, run, func() {})
 	requireBackTo(t, base, func(c *assert.CollectT) {
@@ -1077,7 +1077,7 @@ func soakEcho(run *soakRun, d *shmlink.Dialer, network, addr string, idx uint64)
 	}
 	run.track(conn, true)
 	var hdr [9]byte
-	hdr[0] = cmdEcho
+	hdr[0] = peertest.CmdEcho
 	if _, err := conn.Write(hdr[:]); err != nil {
 		conn.Close()
 		return fmt.Errorf("%s: command: %w", name, err)

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/stretchr/testify/require"
 )
 
@@ -106,7 +107,7 @@ func TestUpgradeHandover(t *testing.T) {
 			d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: dir, MemoryType: tr.memory}}
 			held, err := d.Dial(tr.network, addr)
 			require.NoError(t, err)
-			require.NoError(t, echo(held, 100<<10, 1))
+			require.NoError(t, peertest.Echo(held, 100<<10, 1))
 
 			b, err := listenUpgradable(t, tr, addr, usock, cfg)
 			require.NoError(t, err)
@@ -119,7 +120,7 @@ func TestUpgradeHandover(t *testing.T) {
 			require.Eventually(t, func() bool {
 				c, err := d.Dial(tr.network, addr)
 				require.NoError(t, err)
-				require.NoError(t, echo(c, 1000, 2))
+				require.NoError(t, peertest.Echo(c, 1000, 2))
 				require.NoError(t, c.Close())
 				return b.NumSessions() > 0
 			}, 10*time.Second, time.Millisecond)
@@ -129,7 +130,7 @@ func TestUpgradeHandover(t *testing.T) {
 				t.Fatal("a drained with a stream in flight")
 			default:
 			}
-			require.NoError(t, echo(held, 1<<20, 3), "the stream in flight survives the handover")
+			require.NoError(t, peertest.Echo(held, 1<<20, 3), "the stream in flight survives the handover")
 			require.NoError(t, held.Close())
 			waitChan(t, a.Upgraded(), "a to drain")
 			_, err = a.Accept()
@@ -139,7 +140,7 @@ func TestUpgradeHandover(t *testing.T) {
 
 			c, err := d.Dial(tr.network, addr)
 			require.NoError(t, err)
-			require.NoError(t, echo(c, 300<<10, 4))
+			require.NoError(t, peertest.Echo(c, 300<<10, 4))
 			require.NoError(t, c.Close())
 			want := []string{"upgrade.sock"}
 			if tr.network == "unix" {
@@ -170,7 +171,7 @@ func TestUpgradeRefusedWhileInProgress(t *testing.T) {
 	defer d.Close()
 	held, err := d.Dial("unix", addr)
 	require.NoError(t, err)
-	require.NoError(t, echo(held, 10, 1))
+	require.NoError(t, peertest.Echo(held, 10, 1))
 
 	b, err := listenUpgradable(t, tr, addr, usock, cfg)
 	require.NoError(t, err)
@@ -181,10 +182,10 @@ func TestUpgradeRefusedWhileInProgress(t *testing.T) {
 	_, err = listenUpgradable(t, tr, addr, usock, cfg)
 	require.ErrorIs(t, err, shmlink.ErrUpgradeInProgress)
 	require.ErrorContains(t, err, "another upgrade is in progress")
-	require.NoError(t, echo(held, 1000, 2), "the old generation still serves")
+	require.NoError(t, peertest.Echo(held, 1000, 2), "the old generation still serves")
 	c, err := d.Dial("unix", addr)
 	require.NoError(t, err)
-	require.NoError(t, echo(c, 1000, 3), "the new generation serves")
+	require.NoError(t, peertest.Echo(c, 1000, 3), "the new generation serves")
 	require.NoError(t, c.Close())
 
 	require.NoError(t, held.Close())
@@ -196,7 +197,7 @@ func TestUpgradeRefusedWhileInProgress(t *testing.T) {
 	defer stopNext()
 	c, err = d.Dial("unix", addr)
 	require.NoError(t, err)
-	require.NoError(t, echo(c, 1000, 4))
+	require.NoError(t, peertest.Echo(c, 1000, 4))
 	require.NoError(t, c.Close())
 }
 
@@ -216,14 +217,14 @@ func TestUpgradeFailureKeepsServing(t *testing.T) {
 	d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: dir}}
 	held, err := d.Dial("unix", addr)
 	require.NoError(t, err)
-	require.NoError(t, echo(held, 10, 1))
+	require.NoError(t, peertest.Echo(held, 10, 1))
 
 	serves := func(seed uint64) {
 		t.Helper()
-		require.NoError(t, echo(held, 5000, seed), "the stream in flight")
+		require.NoError(t, peertest.Echo(held, 5000, seed), "the stream in flight")
 		c, err := d.Dial("unix", addr)
 		require.NoError(t, err)
-		require.NoError(t, echo(c, 5000, seed+1), "a new stream")
+		require.NoError(t, peertest.Echo(c, 5000, seed+1), "a new stream")
 		require.NoError(t, c.Close())
 		select {
 		case <-a.Upgraded():
@@ -283,13 +284,13 @@ func TestUpgradeFailureKeepsServing(t *testing.T) {
 		b := listenWhenFree(t, tr, addr, usock, cfg)
 		require.Equal(t, uint64(1), b.Epoch(), "failed attempts do not count")
 		stopB := serveEcho(b, 4)
-		require.NoError(t, echo(held, 5000, 50), "the stream in flight")
+		require.NoError(t, peertest.Echo(held, 5000, 50), "the stream in flight")
 		require.NoError(t, held.Close())
 		waitChan(t, a.Upgraded(), "a to drain")
 		stopA()
 		c, err := d.Dial("unix", addr)
 		require.NoError(t, err)
-		require.NoError(t, echo(c, 5000, 51))
+		require.NoError(t, peertest.Echo(c, 5000, 51))
 		require.NoError(t, c.Close())
 		require.NoError(t, d.Close())
 		stopB()
@@ -315,7 +316,7 @@ func TestUpgradeStaleSockets(t *testing.T) {
 	stop := serveEcho(a, 1)
 	c, err := shmlink.Dial("unix", addr)
 	require.NoError(t, err)
-	require.NoError(t, echo(c, 100, 1))
+	require.NoError(t, peertest.Echo(c, 100, 1))
 	require.NoError(t, c.Close())
 	stop()
 	require.Empty(t, socketFiles(t, dir))
@@ -338,12 +339,6 @@ const (
 	upgradeBatch = 40
 	// upgradeWait bounds every wait of the test on the server processes.
 	upgradeWait = 30 * time.Second
-	// upgradeSocketEnv names the upgrade socket of the "upgrade-server"
-	// role.
-	upgradeSocketEnv = "SHMLINK_TEST_UPGRADE"
-	// cmdCounted is the request of the "upgrade-server" role: echo every
-	// byte until EOF, then count the request and close.
-	cmdCounted = 'C'
 )
 
 // upgradeSizes are the request sizes: within a slice, across slice
@@ -352,12 +347,12 @@ var upgradeSizes = []int{1, 100, 8172, 8173, 32748, 65536, 131053, 300 << 10, 1 
 
 // runUpgradeServer is the "upgrade-server" role: it listens as the
 // environment says with the upgrade socket, printing "ready <pid> <epoch>
-// <addr>", and echoes cmdCounted requests. SIGHUP makes it start a copy of
+// <addr>", and echoes peertest.CmdCounted requests. SIGHUP makes it start a copy of
 // itself, which takes the listener over. Once it has drained (or on
 // SIGTERM) it closes the listener, waits for its requests and prints
 // "exit <pid> <epoch> <requests served> <status>" as its last words.
 // Errors go to standard error, which the test requires to stay empty.
-func runUpgradeServer() int {
+func runUpgradeServer(p peertest.Params) int {
 	code := 0
 	fail := func(format string, args ...any) {
 		fmt.Fprintf(os.Stderr, "upgrade-server %d: "+format+"\n", append([]any{os.Getpid()}, args...)...)
@@ -366,10 +361,10 @@ func runUpgradeServer() int {
 	sig := make(chan os.Signal, 4)
 	signal.Notify(sig, syscall.SIGHUP, syscall.SIGTERM)
 	lc := shmlink.ListenConfig{
-		Config:        &shmlink.Config{ShmDir: os.Getenv("SHMLINK_TEST_SHMDIR")},
-		UpgradeSocket: os.Getenv(upgradeSocketEnv),
+		Config:        &shmlink.Config{ShmDir: p.ShmDir},
+		UpgradeSocket: p.UpgradeSocket,
 	}
-	ln, err := lc.Listen(context.Background(), os.Getenv("SHMLINK_TEST_NET"), os.Getenv("SHMLINK_TEST_ADDR"))
+	ln, err := lc.Listen(context.Background(), p.Network, p.Addr)
 	if err != nil {
 		fail("listen: %v", err)
 		return code
@@ -398,7 +393,7 @@ func runUpgradeServer() int {
 			go func() {
 				defer streams.Done()
 				defer c.Close()
-				if err := serveCounted(c); err != nil {
+				if err := peertest.ServeStream(c); err != nil {
 					mu.Lock()
 					fail("serve: %v", err)
 					mu.Unlock()
@@ -444,19 +439,6 @@ func runUpgradeServer() int {
 	return code
 }
 
-// serveCounted serves one cmdCounted request: echo until EOF.
-func serveCounted(c net.Conn) error {
-	var hdr [9]byte
-	if _, err := io.ReadFull(c, hdr[:]); err != nil {
-		return fmt.Errorf("read command: %w", err)
-	}
-	if hdr[0] != cmdCounted {
-		return fmt.Errorf("unknown command %q", hdr[0])
-	}
-	_, err := io.Copy(c, c)
-	return err
-}
-
 // countedRequest dials a stream with d and runs one checked request of n
 // bytes: every byte of the echo is checked, then the server's EOF.
 func countedRequest(d *shmlink.Dialer, network, addr string, n int, seed uint64) error {
@@ -466,12 +448,12 @@ func countedRequest(d *shmlink.Dialer, network, addr string, n int, seed uint64)
 	}
 	defer c.Close()
 	var hdr [9]byte
-	hdr[0] = cmdCounted
+	hdr[0] = peertest.CmdCounted
 	binary.BigEndian.PutUint64(hdr[1:], seed)
 	if _, err := c.Write(hdr[:]); err != nil {
 		return fmt.Errorf("write command: %w", err)
 	}
-	if err := echo(c, n, seed); err != nil {
+	if err := peertest.Echo(c, n, seed); err != nil {
 		return err
 	}
 	if err := c.(*shmlink.Stream).CloseWrite(); err != nil {
@@ -569,8 +551,7 @@ func testHotUpgrade(t *testing.T, tr transport) {
 	}()
 	lines := &serverLines{ch: lineCh}
 
-	env := append(os.Environ(), peerEnv+"=upgrade-server", "SHMLINK_TEST_NET="+tr.network,
-		"SHMLINK_TEST_ADDR="+addr, "SHMLINK_TEST_SHMDIR="+dir, upgradeSocketEnv+"="+filepath.Join(dir, "upgrade.sock"))
+	params := peertest.Params{Network: tr.network, Addr: addr, ShmDir: dir, UpgradeSocket: filepath.Join(dir, "upgrade.sock")}
 	var started []*exec.Cmd
 	waits := make(chan error, upgradeCount+1)
 	alive := map[int]bool{} // pids that printed ready and not yet exit
@@ -581,8 +562,8 @@ func testHotUpgrade(t *testing.T, tr transport) {
 		}
 	}()
 	start := func() {
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env, cmd.Stdout, cmd.Stderr = env, outW, errW
+		cmd := peertest.Cmd("upgrade-server", params)
+		cmd.Stdout, cmd.Stderr = outW, errW
 		require.NoError(t, cmd.Start())
 		started = append(started, cmd)
 		go func() { waits <- cmd.Wait() }()

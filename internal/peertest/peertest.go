@@ -1,0 +1,199 @@
+// Package peertest runs the test binary as a peer process for shmlink's
+// two-process tests and benchmarks, and holds the in-stream protocol they
+// speak. It is test tooling: nothing outside tests imports it.
+//
+// A test starts a peer with Start (or builds its command with Cmd); the
+// child finds its role in SHMLINK_PEER and its Params, as JSON, in
+// SHMLINK_PEER_PARAMS, and TestMain hands over to it with Main (the
+// pattern of go/src/internal/fuzz/worker_test.go). A peer reports on
+// standard output, one line at a time ("ready <addr>"...), and ends when
+// its standard input closes or it is killed.
+package peertest
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// The environment of a peer process: its role and its Params.
+const (
+	roleEnv   = "SHMLINK_PEER"
+	paramsEnv = "SHMLINK_PEER_PARAMS"
+)
+
+// Params configure a peer process; each role reads the fields it needs.
+type Params struct {
+	Network       string `json:",omitempty"` // "unix" or "tcp"
+	Addr          string `json:",omitempty"` // to listen on, or to dial
+	ShmDir        string `json:",omitempty"` // Config.ShmDir
+	Memory        string `json:",omitempty"` // a shmlink.MemoryType's String; "" for MemoryAuto
+	Mode          string `json:",omitempty"` // the role's variant
+	Seed          uint64 `json:",omitempty"` // derives the traffic's patterns
+	UpgradeSocket string `json:",omitempty"` // ListenConfig.UpgradeSocket
+	Dir           string `json:",omitempty"` // a directory of the role's own
+	CPUProfile    string `json:",omitempty"` // a file for the peer's CPU profile
+}
+
+// Main runs the role the process was started in, if any, and exits with
+// the code the role returns; roles maps role names to their functions.
+// In the test process itself it returns at once. Call it first in
+// TestMain.
+func Main(roles map[string]func(Params) int) {
+	role := os.Getenv(roleEnv)
+	if role == "" {
+		return
+	}
+	var p Params
+	if err := json.Unmarshal([]byte(os.Getenv(paramsEnv)), &p); err != nil {
+		fmt.Fprintf(os.Stderr, "peer %s: bad %s: %v\n", role, paramsEnv, err)
+		os.Exit(2)
+	}
+	run, ok := roles[role]
+	if !ok {
+		fmt.Fprintln(os.Stderr, "unknown peer role", role)
+		os.Exit(2)
+	}
+	os.Exit(run(p))
+}
+
+// Cmd returns the command that runs the test binary as a peer in role with
+// p, running no test nor benchmark of its own. The caller sets its
+// standard streams and starts it.
+func Cmd(role string, p Params) *exec.Cmd {
+	js, err := json.Marshal(p)
+	if err != nil {
+		panic(err) // Params holds only strings and numbers
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$", "-test.bench=^$")
+	cmd.Env = append(os.Environ(), roleEnv+"="+role, paramsEnv+"="+string(js))
+	return cmd
+}
+
+// A Proc is a peer process started by Start.
+type Proc struct {
+	cmd    *exec.Cmd
+	stdin  io.WriteCloser
+	lines  chan string // standard output, line by line; closed at its end
+	stderr strings.Builder
+	waited bool
+	err    error // of Wait
+}
+
+// Start starts the test binary as a peer in role with p. The test's end
+// kills it if it still runs.
+func Start(tb testing.TB, role string, p Params) *Proc {
+	tb.Helper()
+	pr := &Proc{cmd: Cmd(role, p), lines: make(chan string, 16)}
+	pr.cmd.Stderr = &pr.stderr
+	var err error
+	pr.stdin, err = pr.cmd.StdinPipe()
+	require.NoError(tb, err)
+	stdout, err := pr.cmd.StdoutPipe()
+	require.NoError(tb, err)
+	require.NoError(tb, pr.cmd.Start())
+	go func() {
+		defer close(pr.lines)
+		r := bufio.NewScanner(stdout)
+		for r.Scan() {
+			pr.lines <- r.Text()
+		}
+	}()
+	tb.Cleanup(func() {
+		if !pr.waited {
+			pr.cmd.Process.Kill()
+			pr.Wait()
+		}
+	})
+	return pr
+}
+
+// Pid returns the peer's process id.
+func (p *Proc) Pid() int { return p.cmd.Process.Pid }
+
+// Signal sends sig to the peer.
+func (p *Proc) Signal(sig syscall.Signal) error { return p.cmd.Process.Signal(sig) }
+
+// Stderr returns what the peer wrote to its standard error so far; call
+// it after Wait for all of it.
+func (p *Proc) Stderr() string { return p.stderr.String() }
+
+// CloseInput closes the peer's standard input, which asks it to end.
+func (p *Proc) CloseInput() error { return p.stdin.Close() }
+
+// Wait reaps the peer once its standard output is read to the end and
+// returns its exit error.
+func (p *Proc) Wait() error {
+	if !p.waited {
+		for range p.lines {
+		}
+		p.err = p.cmd.Wait()
+		p.waited = true
+	}
+	return p.err
+}
+
+// Kill kills the peer with SIGKILL and reaps it.
+func (p *Proc) Kill() {
+	p.cmd.Process.Kill()
+	p.Wait()
+}
+
+// Crash kills the peer with SIGKILL, as a crash would, reaps it, and
+// returns when the signal was sent. The peer must have died of it, with
+// nothing on its standard error before.
+func (p *Proc) Crash(tb testing.TB) time.Time {
+	tb.Helper()
+	at := time.Now()
+	require.NoError(tb, p.cmd.Process.Signal(syscall.SIGKILL))
+	err := p.Wait()
+	var ee *exec.ExitError
+	require.ErrorAs(tb, err, &ee)
+	ws, ok := ee.Sys().(syscall.WaitStatus)
+	require.True(tb, ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL, "peer exit: %v; stderr: %s", err, p.Stderr())
+	require.Empty(tb, p.Stderr(), "peer stderr before the kill")
+	return at
+}
+
+// NextLine waits for the peer's next line of output; ok is false when the
+// output ended (the peer exited).
+func (p *Proc) NextLine() (line string, ok bool) {
+	line, ok = <-p.lines
+	return line, ok
+}
+
+// Stop closes the peer's standard input and requires that it exits 0 with
+// nothing on its standard error.
+func (p *Proc) Stop(tb testing.TB) {
+	tb.Helper()
+	p.CloseInput()
+	require.NoError(tb, p.Wait(), "peer exit; stderr: %s", p.Stderr())
+	require.Empty(tb, p.Stderr(), "peer stderr")
+}
+
+// Expect waits up to 30 s for the peer's next line of output and requires
+// it to start with prefix; it returns the rest of the line, trimmed.
+func (p *Proc) Expect(tb testing.TB, prefix string) string {
+	tb.Helper()
+	select {
+	case line, ok := <-p.lines:
+		if ok && strings.HasPrefix(line, prefix) {
+			return strings.TrimSpace(strings.TrimPrefix(line, prefix))
+		}
+		p.Kill()
+		tb.Fatalf("peer said %q (output ended: %v), want %q; exit: %v; stderr: %s", line, !ok, prefix, p.err, p.Stderr())
+	case <-time.After(30 * time.Second):
+		p.Kill()
+		tb.Fatalf("peer did not say %q in 30 s; stderr: %s", prefix, p.Stderr())
+	}
+	return ""
+}
