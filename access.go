@@ -37,15 +37,10 @@ func (l *Listener) PeersRefused() uint64 { return l.access.peersRefused.Load() }
 // peer was refused for its credentials.
 func (l *Listener) handshakeFailed(conn net.Conn, err error) {
 	if !errors.Is(err, session.ErrPeerRefused) {
-		if l.cfg.Logger != nil {
-			l.cfg.Logger.Info("shmlink: handshake failed", "remote", conn.RemoteAddr(), "err", err)
-		}
+		l.cfg.Logger.Info("shmlink: handshake failed", "remote", conn.RemoteAddr(), "err", err)
 		return
 	}
 	l.access.peersRefused.Add(1)
-	if l.cfg.Logger == nil {
-		return
-	}
 	args := []any{"addr", l.ln.Addr(), "err", err}
 	var pe *session.PeerError
 	if errors.As(err, &pe) {

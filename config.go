@@ -6,8 +6,7 @@ import "github.com/shmlink/shmlink/session"
 // fields, their units and defaults.
 type Config = session.Config
 
-// MemoryType selects memfd or file-backed shared memory; see
-// session.MemoryType.
+// MemoryType selects memfd or file-backed shared memory (session.MemoryType).
 type MemoryType = session.MemoryType
 
 // Memory types, as in package session.

@@ -5,11 +5,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"os"
 	"sync"
 	"time"
 
+	"github.com/shmlink/shmlink/internal/sock"
 	"github.com/shmlink/shmlink/internal/upgrade"
 	"github.com/shmlink/shmlink/session"
 )
@@ -178,6 +180,7 @@ type Listener struct {
 // newListener starts a Listener accepting on ln; up is its hot-upgrade
 // side, nil without ListenConfig.UpgradeSocket, which the caller starts.
 func newListener(ln net.Listener, cfg Config, up *upgrade.Upgrader) *Listener {
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
 	l := &Listener{
 		ln:         ln,
 		cfg:        cfg,
@@ -307,8 +310,11 @@ func (l *Listener) Epoch() uint64 {
 func (l *Listener) acceptLoop() {
 	defer l.wg.Done()
 	defer close(l.acceptDone)
+	retry := func(err error, wait time.Duration) { // EMFILE and the like: back off, log
+		l.cfg.Logger.Warn("shmlink: accept failed, retrying", "err", err, "in", wait)
+	}
 	for {
-		conn, err := l.ln.Accept()
+		conn, err := sock.Accept(l.ctx, l.ln, retry)
 		if err != nil {
 			l.mu.Lock()
 			if l.ctx.Err() == nil && l.handedTo == 0 { // else closed, or the new process accepts now

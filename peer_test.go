@@ -20,6 +20,7 @@ func TestMain(m *testing.M) {
 		"client":         runPeerClient,
 		"upgrade-server": runUpgradeServer,
 		"bench":          runBenchServer,
+		"emfile-server":  runEMFILEServer,
 	})
 	code := m.Run()
 	stopBenchServer()

@@ -127,6 +127,12 @@ func (p *Proc) Signal(sig syscall.Signal) error { return p.cmd.Process.Signal(si
 // it after Wait for all of it.
 func (p *Proc) Stderr() string { return p.stderr.String() }
 
+// Say writes line and a newline to the peer's standard input.
+func (p *Proc) Say(line string) error {
+	_, err := io.WriteString(p.stdin, line+"\n")
+	return err
+}
+
 // CloseInput closes the peer's standard input, which asks it to end.
 func (p *Proc) CloseInput() error { return p.stdin.Close() }
 
