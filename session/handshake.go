@@ -33,6 +33,7 @@ type memory struct {
 	send, recv       *queue.Ring
 	remove           []string // file paths this side created and still has to unlink
 	sealed           bool     // the peer cannot shrink the memory (shm.SealShrink)
+	unclaim          []func() // a server's shm.Claim of the peer's files, undone on release
 }
 
 // release unmaps both mappings and removes the files still owned.
@@ -41,6 +42,9 @@ func (m *memory) release() {
 	shm.Unmap(m.queueMem)
 	for _, p := range m.remove {
 		os.Remove(p)
+	}
+	for _, f := range m.unclaim {
+		f()
 	}
 	*m = memory{}
 }
@@ -394,6 +398,16 @@ func mapShared(bufFd, queueFd int) (_ *memory, err error) {
 	// A peer that truncates its memory under our mapping makes our next
 	// access fault: seal it where the peer allows; every access goes
 	// through the fault guard anyway (fault.go).
+	// A file another session of ours maps belongs to that session: a
+	// peer that names it would consume that session's events
+	// (docs/protocol.md section 9).
+	for _, fd := range []int{bufFd, queueFd} {
+		release, err := shm.Claim(fd)
+		if err != nil {
+			return nil, handshakeError("map", fmt.Errorf("%w: %w", ErrPathRefused, err))
+		}
+		mem.unclaim = append(mem.unclaim, release)
+	}
 	mem.sealed = shm.SealShrink(bufFd) && shm.SealShrink(queueFd)
 	defer catchFault(&err, debug.SetPanicOnFault(true))
 	if mem.bufMem, err = shm.Map(bufFd, 0); err != nil {

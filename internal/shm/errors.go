@@ -24,6 +24,10 @@ var (
 	// user than the one the caller expects.
 	ErrNotOwner = errors.New("shm: file of another user")
 
+	// ErrClaimed is returned by Claim when another session of this process
+	// maps the same file already.
+	ErrClaimed = errors.New("shm: file mapped by another session of this process")
+
 	// ErrChanged is returned by OpenFile when the file it opened is not the
 	// one it checked: the name was replaced in between.
 	ErrChanged = errors.New("shm: file replaced while being opened")

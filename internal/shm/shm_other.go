@@ -10,6 +10,9 @@ import (
 // CreateMemfd returns ErrUnsupported on this platform.
 func CreateMemfd(name string, size int) (*os.File, error) { return nil, ErrUnsupported }
 
+// Claim returns ErrUnsupported on this platform.
+func Claim(fd int) (release func(), err error) { return nil, ErrUnsupported }
+
 // SealShrink reports false on this platform.
 func SealShrink(fd int) bool { return false }
 
