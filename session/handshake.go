@@ -10,7 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -31,9 +30,10 @@ type memory struct {
 	bufMem, queueMem []byte
 	region           *buffer.Region
 	send, recv       *queue.Ring
-	remove           []string // file paths this side created and still has to unlink
-	sealed           bool     // the peer cannot shrink the memory (shm.SealShrink)
-	unclaim          []func() // a server's shm.Claim of the peer's files, undone on release
+	remove           []string   // file paths this side created and still has to unlink
+	locks            []*os.File // v2 client: its files, open to hold their locks (shm.Stale)
+	sealed           bool       // the peer cannot shrink the memory (shm.SealShrink)
+	unclaim          []func()   // a server's shm.Claim of the peer's files, undone on release
 }
 
 // release unmaps both mappings and removes the files still owned.
@@ -46,14 +46,15 @@ func (m *memory) release() {
 	for _, f := range m.unclaim {
 		f()
 	}
+	closeFiles(m.locks)
 	*m = memory{}
 }
 
 // randomName returns a name for shared-memory objects that another local
 // user cannot predict: "shmlink_<pid>_e<epoch>_<16 hex digits>", where
 // epoch is the server generation's hot-restart epoch (Config.Epoch), so
-// that the objects of two generations never share a name. The pid stays
-// right after the prefix for removeStale.
+// that the objects of two generations never share a name; the pid tells a
+// person whose they are.
 func randomName(epoch uint64) string {
 	var b [8]byte
 	rand.Read(b[:])
@@ -62,8 +63,9 @@ func randomName(epoch uint64) string {
 
 // removeStale removes, from dir, the shared-memory files of earlier
 // clients that died (kill -9, a crash) before their server spoke: files
-// named by randomName whose process no longer exists and that belong to
-// our uid. Errors are ignored: a file that stays is only wasted space.
+// named by randomName, of our uid, whose owner's lock is gone (shm.Stale:
+// unlike a pid, it holds across pid namespaces, for containers that share
+// dir). Errors are ignored: a file that stays is only wasted space.
 func removeStale(dir string) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
@@ -71,24 +73,16 @@ func removeStale(dir string) {
 	}
 	uid := os.Geteuid()
 	for _, e := range entries {
-		rest, ok := strings.CutPrefix(e.Name(), "shmlink_")
-		if !ok || !e.Type().IsRegular() {
+		if !strings.HasPrefix(e.Name(), "shmlink_") || !e.Type().IsRegular() {
 			continue
-		}
-		pidStr, _, ok := strings.Cut(rest, "_")
-		pid, err := strconv.Atoi(pidStr)
-		if !ok || err != nil || pid <= 0 || pid == os.Getpid() {
-			continue
-		}
-		if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
-			continue // alive, or not ours to signal: maybe alive
 		}
 		info, err := e.Info()
 		if err != nil {
 			continue
 		}
-		if st, ok := info.Sys().(*syscall.Stat_t); ok && int(st.Uid) == uid {
-			os.Remove(filepath.Join(dir, e.Name()))
+		path := filepath.Join(dir, e.Name())
+		if st, ok := info.Sys().(*syscall.Stat_t); ok && int(st.Uid) == uid && shm.Stale(path) {
+			os.Remove(path)
 		}
 	}
 }
@@ -132,16 +126,18 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 	if err != nil {
 		return nil, 0, err
 	}
-	defer closeFiles(files)
 	if mt == MemoryFile && !isUnix {
-		// v2: metadata, no reply. The files stay until the server's first
-		// message or event shows it mapped them (Session.forgetNames).
+		// v2: metadata, no reply. The files stay, open to hold their locks,
+		// until the server's first message or event shows it mapped them
+		// (Session.forgetNames).
+		mem.locks = files
 		if _, err = conn.Write(wire.AppendShareMemory(nil, 2, wire.TypeShareMemoryByFilePath, meta)); err != nil {
 			mem.release()
 			return nil, 0, handshakeError("send metadata", err)
 		}
 		return mem, 2, nil
 	}
+	defer closeFiles(files)
 	if version, err = shareV3(conn, uc, mt, meta, files); err != nil {
 		mem.release()
 		return nil, 0, err

@@ -7,8 +7,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -167,33 +165,4 @@ func TestServerRejectsWrongFdCount(t *testing.T) {
 	// The server closed its side: we read EOF, not a hang.
 	_, err = cc.Read(make([]byte, 1))
 	require.ErrorIs(t, err, io.EOF)
-}
-
-// Files of a client that died before its server spoke are removed by the
-// next client that creates files in the directory; those of live
-// processes stay.
-func TestRemoveStale(t *testing.T) {
-	dead := exec.Command("true")
-	require.NoError(t, dead.Run())
-	dir := t.TempDir()
-	names := map[string]bool{ // name: whether it must stay
-		fmt.Sprintf("shmlink_%d_0123456789abcdef_buffer", dead.Process.Pid):  false,
-		fmt.Sprintf("shmlink_%d_0123456789abcdef_queue_0", dead.Process.Pid): false,
-		fmt.Sprintf("shmlink_%d_0123456789abcdef_buffer", os.Getpid()):       true,
-		"shmlink_1_0123456789abcdef_buffer":                                  true, // init lives
-		"shmlink_x_buffer":                                                   true,
-		"other":                                                              true,
-	}
-	for n := range names {
-		require.NoError(t, os.WriteFile(filepath.Join(dir, n), nil, 0o600))
-	}
-	removeStale(dir)
-	for n, stays := range names {
-		_, err := os.Stat(filepath.Join(dir, n))
-		if stays {
-			require.NoError(t, err, n)
-		} else {
-			require.ErrorIs(t, err, os.ErrNotExist, n)
-		}
-	}
 }

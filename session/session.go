@@ -37,6 +37,7 @@ type Session struct {
 	// still has to unlink; the v2 server sends no reply, so they go as
 	// soon as anything comes from it (see forgetNames).
 	names     []string
+	locks     []*os.File // the files' owner locks, closed with them (shm.Stale)
 	namesLive atomic.Bool
 
 	mu   sync.Mutex  // guards tab, err, idle and hr
@@ -167,7 +168,7 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 	s.rx.init(s)
 	s.shm.init(mem, &c)
 	if len(mem.remove) > 0 {
-		s.names = mem.remove
+		s.names, s.locks = mem.remove, mem.locks
 		s.namesLive.Store(true)
 	}
 	c.Logger.Debug("shmlink: session started", "client", isClient, "version", version,
@@ -579,5 +580,6 @@ func (s *Session) forgetNames() {
 		for _, p := range s.names {
 			os.Remove(p)
 		}
+		closeFiles(s.locks) // memory.release closes them again: harmless
 	}
 }

@@ -82,7 +82,27 @@ func CreateFile(path string, size int) (*os.File, error) {
 		os.Remove(path)
 		return nil, err
 	}
+	// The owner's mark, which outlives pid namespaces: see Stale.
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_SH); err != nil {
+		f.Close()
+		os.Remove(path)
+		return nil, os.NewSyscallError("flock", err)
+	}
 	return f, nil
+}
+
+// Stale reports whether the file at path, made by CreateFile, is no
+// longer anybody's: CreateFile's file holds a shared flock for as long as
+// it is open, so a file whose exclusive lock can be taken has no live
+// owner, whichever pid namespace that owner ran in. A file that cannot be
+// opened or locked counts as live.
+func Stale(path string) bool {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	defer unix.Close(fd)
+	return unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB) == nil
 }
 
 // OpenFile opens an existing shared-memory file that a peer named,

@@ -10,6 +10,9 @@ import (
 // CreateMemfd returns ErrUnsupported on this platform.
 func CreateMemfd(name string, size int) (*os.File, error) { return nil, ErrUnsupported }
 
+// Stale reports false on this platform.
+func Stale(path string) bool { return false }
+
 // Claim returns ErrUnsupported on this platform.
 func Claim(fd int) (release func(), err error) { return nil, ErrUnsupported }
 
