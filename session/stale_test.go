@@ -22,7 +22,7 @@ func TestRemoveStaleAcrossPIDNamespaces(t *testing.T) {
 	defer f.Close()
 	g, err := shm.CreateFile(dead, 4096)
 	require.NoError(t, err)
-	require.NoError(t, g.Close()) // its owner died
+	require.NoError(t, g.Close())        // its owner died
 	other := filepath.Join(dir, "other") // not ours: never touched
 	require.NoError(t, os.WriteFile(other, nil, 0o600))
 
