@@ -1,6 +1,10 @@
 package sock
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/shmlink/shmlink/internal/shm"
+)
 
 var (
 	// ErrUnsupported is returned by PeerCred, SendListeners and
@@ -15,5 +19,5 @@ var (
 	// ErrBadRights is returned by RecvListeners when the peer's message
 	// does not carry exactly the expected number of descriptors. Any
 	// descriptors that did arrive are closed before it is returned.
-	ErrBadRights = errors.New("sock: bad SCM_RIGHTS message")
+	ErrBadRights = shm.ErrBadRights
 )

@@ -8,6 +8,7 @@ import (
 	"os"
 	"syscall"
 
+	"github.com/shmlink/shmlink/internal/shm"
 	"golang.org/x/sys/unix"
 )
 
@@ -55,7 +56,7 @@ func SendListeners(c *net.UnixConn, lns ...net.Listener) error {
 // descriptor that is not a listening socket gets net.FileListener's
 // error. On any error, everything received is closed.
 func RecvListeners(c *net.UnixConn, n int) ([]net.Listener, error) {
-	fds, err := recvFds(c, n)
+	fds, err := shm.RecvFds(c, n)
 	if err != nil {
 		return nil, err
 	}
@@ -76,32 +77,4 @@ func RecvListeners(c *net.UnixConn, n int) ([]net.Listener, error) {
 		lns = append(lns, ln)
 	}
 	return lns, nil
-}
-
-// recvFds receives one message of at least one data byte carrying exactly
-// want descriptors, close-on-exec (the net package receives with
-// MSG_CMSG_CLOEXEC) and owned by the caller; otherwise ErrBadRights, and
-// every descriptor that arrived is closed.
-func recvFds(c *net.UnixConn, want int) ([]int, error) {
-	var data [1]byte
-	oob := make([]byte, unix.CmsgSpace(4*(want+8)))
-	n, oobn, flags, _, err := c.ReadMsgUnix(data[:], oob)
-	if err != nil {
-		return nil, err
-	}
-	msgs, perr := unix.ParseSocketControlMessage(oob[:oobn])
-	var fds []int
-	for _, m := range msgs {
-		if got, err := unix.ParseUnixRights(&m); err == nil {
-			fds = append(fds, got...)
-		}
-	}
-	if n != 1 || perr != nil || flags&unix.MSG_CTRUNC != 0 || len(msgs) != 1 || len(fds) != want {
-		for _, fd := range fds {
-			unix.Close(fd)
-		}
-		return nil, fmt.Errorf("%w: %d data bytes, %d control messages, %d descriptors, want 1 and %d",
-			ErrBadRights, n, len(msgs), len(fds), want)
-	}
-	return fds, nil
 }
