@@ -30,7 +30,8 @@ func TestMain(m *testing.M) {
 // runServer is the "server" role: it listens on p.Network and p.Addr with
 // its shared memory in p.ShmDir, prints "ready <addr>", serves streams with
 // peertest.ServeStream until standard input closes, then closes the
-// listener and exits 0 (1 on any error).
+// listener, prints "closed" once Close returned, and exits 0 (1 on any
+// error).
 func runServer(p peertest.Params) int {
 	lc := shmlink.ListenConfig{Config: &shmlink.Config{ShmDir: p.ShmDir}}
 	ln, err := lc.Listen(context.Background(), p.Network, p.Addr)
@@ -39,16 +40,16 @@ func runServer(p peertest.Params) int {
 		return 1
 	}
 	fmt.Printf("ready %s\n", ln.Addr())
-	go func() {
-		io.Copy(io.Discard, os.Stdin)
-		ln.Close()
-	}()
 	var failed atomic.Bool
-	peertest.ServeEach(ln, func(c net.Conn) {
+	wait := peertest.ServeEach(ln, func(c net.Conn) {
 		if err := peertest.ServeStream(c); err != nil && !errors.Is(err, net.ErrClosed) && !failed.Swap(true) {
 			fmt.Fprintln(os.Stderr, "serve:", err)
 		}
-	})()
+	})
+	io.Copy(io.Discard, os.Stdin)
+	ln.Close()
+	fmt.Println("closed") // Close returned: its sessions ended
+	wait()
 	if failed.Load() {
 		return 1
 	}
