@@ -2,6 +2,7 @@ package buffer
 
 import (
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"unsafe"
 )
@@ -45,6 +46,13 @@ type list struct {
 	head  *uint32
 	tail  *uint32
 	inUse *int32
+
+	// popMu serializes this process's pops of the list, so that the ABA
+	// of pop can only come from the peer's (see pop).
+	popMu *sync.Mutex
+	// popHook, set by tests only, runs in pop between reading the head's
+	// next link and the CAS that installs it.
+	popHook func()
 }
 
 // newList returns the view of a list whose header is at off, with cap
@@ -63,6 +71,7 @@ func newList(base unsafe.Pointer, off, cap, dataSize uint32) list {
 		head:     u32(base, off+listOffHead),
 		tail:     u32(base, off+listOffTail),
 		inUse:    i32(base, off+listOffInUse),
+		popMu:    new(sync.Mutex),
 	}
 	l.end = l.area + l.areaLen
 	if stride&(stride-1) == 0 {
@@ -117,16 +126,24 @@ func (l *list) format(base unsafe.Pointer) {
 //
 // The protocol's list is exposed to ABA, in every implementation: a popper
 // delayed between reading head's next and its CAS, while other pops and
-// pushes bring the same slice back to the head, installs a stale next and
-// can make a slice be handed out twice. It takes a whole turn of the free
+// pushes bring the same slice back to the head, installs a stale next,
+// which may be a slice someone holds. It takes a whole turn of the free
 // list during the delay, so it threatens nearly exhausted lists most.
-// Validation keeps any next inside the list, so the worst outcome is a
-// damaged free list, never an access outside the mapping.
+// Within this process it cannot happen: popMu lets one pop of ours run at
+// a time, and our pushes alone cannot bring a slice back to the head. The
+// peer's pops can still interleave with ours; what that damages is
+// detected instead of handed on: a head, or a slice just taken, that is
+// marked allocated means the list is damaged, and pop reports ErrCorrupt
+// (docs/protocol.md section 2.4). Validation keeps any next inside the
+// list, so the worst outcome is a damaged free list, never an access
+// outside the mapping.
 func (l *list) pop(base unsafe.Pointer) (uint32, error) {
 	if atomic.AddInt32(l.free, -1) <= 0 {
 		atomic.AddInt32(l.free, 1)
 		return 0, ErrNoSpace
 	}
+	l.popMu.Lock()
+	defer l.popMu.Unlock()
 	for range popTries {
 		h := atomic.LoadUint32(l.head)
 		if !l.validRel(h) {
@@ -134,7 +151,15 @@ func (l *list) pop(base unsafe.Pointer) (uint32, error) {
 			return 0, l.corrupt("head", h)
 		}
 		hdr := l.area + h
-		if load32(base, hdr+sliceOffFlags)&flagWord(flagNext) == 0 {
+		fw := load32(base, hdr+sliceOffFlags)
+		if fw&flagWord(flagAllocated) != 0 {
+			if atomic.LoadUint32(l.head) != h {
+				continue // the peer took h meanwhile
+			}
+			atomic.AddInt32(l.free, 1)
+			return 0, l.corrupt("head, an allocated slice,", h)
+		}
+		if fw&flagWord(flagNext) == 0 {
 			// The head is the last free slice, or a push has moved the
 			// tail but not linked it yet.
 			if atomic.LoadInt32(l.free) <= 1 {
@@ -150,11 +175,16 @@ func (l *list) pop(base unsafe.Pointer) (uint32, error) {
 			atomic.AddInt32(l.free, 1)
 			return 0, l.corrupt("next link", next)
 		}
+		if l.popHook != nil {
+			l.popHook()
+		}
 		if atomic.CompareAndSwapUint32(l.head, h, next) {
 			// The slice is ours: restore the cap a peer may have
-			// damaged, then mark it allocated.
+			// damaged, then mark it allocated; it must not have been.
 			*u32(base, hdr+sliceOffCap) = l.dataSize
-			atomic.StoreUint32(u32(base, hdr+sliceOffFlags), flagWord(flagAllocated))
+			if old := atomic.SwapUint32(u32(base, hdr+sliceOffFlags), flagWord(flagAllocated)); old&flagWord(flagAllocated) != 0 {
+				return 0, l.corrupt("slice taken from the head, already allocated,", h)
+			}
 			atomic.AddInt32(l.inUse, 1)
 			return hdr, nil
 		}
