@@ -18,7 +18,8 @@ import (
 // for a server, the client process that connected; for a client, the
 // process that created the listening socket. Ids are as seen from this
 // process's namespaces; PID is 0 when the peer's pid is not visible from
-// ours.
+// ours. Over loopback TCP only UID is known, the owner of the peer's
+// socket (docs/protocol.md section 9): PID is 0 and GID -1.
 type PeerCred struct {
 	PID int // process id
 	UID int // effective user id
@@ -26,19 +27,32 @@ type PeerCred struct {
 }
 
 // checkPeer applies cfg's peer check (Config.AllowUIDs, Config.PeerCheck)
-// to the process at the other end of conn, if conn is a Unix socket, and
-// returns the uid that shared-memory files named by the peer must belong
-// to: the peer's uid on a Unix socket, and this process's effective uid on
-// any other connection (TCP carries no credentials, so there the check is
-// not made). A refused peer gets a handshake error wrapping ErrPeerRefused.
+// to the process at the other end of conn and returns the uid that
+// shared-memory files named by the peer must belong to. On a Unix socket
+// the kernel gives the peer's credentials (SO_PEERCRED); on a loopback TCP
+// connection it gives the uid that owns the peer's socket (socket
+// diagnostics, sock.TCPPeerUID: PID is 0 and GID -1 then, unknown), and a
+// connection whose owner cannot be found is refused. Over TCP between
+// hosts there is no check, and files must belong to this process's
+// effective uid. A refused peer gets a handshake error wrapping
+// ErrPeerRefused.
 func checkPeer(conn net.Conn, cfg *Config) (uid int, err error) {
-	uc, ok := conn.(*net.UnixConn)
-	if !ok {
+	cred := PeerCred{GID: -1}
+	switch c := conn.(type) {
+	case *net.UnixConn:
+		if cred.PID, cred.UID, cred.GID, err = sock.PeerCred(c); err != nil {
+			return 0, handshakeError("peer credentials", fmt.Errorf("%w: %w", ErrPeerRefused, err))
+		}
+	case *net.TCPConn:
+		local, remote := c.LocalAddr().(*net.TCPAddr), c.RemoteAddr().(*net.TCPAddr)
+		if !local.IP.IsLoopback() || !remote.IP.IsLoopback() {
+			return os.Geteuid(), nil
+		}
+		if cred.UID, err = sock.TCPPeerUID(local, remote); err != nil {
+			return 0, handshakeError("peer credentials", fmt.Errorf("%w: %w", ErrPeerRefused, err))
+		}
+	default:
 		return os.Geteuid(), nil
-	}
-	var cred PeerCred
-	if cred.PID, cred.UID, cred.GID, err = sock.PeerCred(uc); err != nil {
-		return 0, handshakeError("peer credentials", fmt.Errorf("%w: %w", ErrPeerRefused, err))
 	}
 	if err := cfg.allowPeer(cred); err != nil {
 		return 0, handshakeError("peer credentials", &PeerError{Cred: cred, Err: err})

@@ -4,11 +4,13 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 
 	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // tcpPair returns both ends of a loopback TCP connection.
@@ -78,4 +80,38 @@ func TestV2HijackRefused(t *testing.T) {
 	_, err = s.Read(b)
 	require.NoError(t, err)
 	require.Equal(t, "still mine", string(b))
+}
+
+// Over loopback TCP the server learns the client's uid from the kernel
+// (socket diagnostics) and applies Config.AllowUIDs to it, as over a Unix
+// socket: a client of another uid is refused (#14).
+func TestTCPPeerOfAnotherUIDRefused(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create a socket owned by another uid")
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	c := dialAsUID(t, 65534, ln.Addr().String())
+	defer c.Close()
+	sc, err := ln.Accept()
+	require.NoError(t, err)
+	_, err = Server(sc, &Config{ShmDir: t.TempDir()})
+	require.ErrorIs(t, err, ErrPeerRefused)
+	var pe *PeerError
+	require.ErrorAs(t, err, &pe)
+	require.Equal(t, 65534, pe.Cred.UID)
+}
+
+// dialAsUID dials addr from a socket the kernel records as uid's: this
+// thread's fsuid is uid while it is created.
+func dialAsUID(t *testing.T, uid int, addr string) net.Conn {
+	t.Helper()
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	old, _, _ := unix.RawSyscall(unix.SYS_SETFSUID, uintptr(uid), 0, 0)
+	c, err := net.Dial("tcp", addr)
+	unix.RawSyscall(unix.SYS_SETFSUID, old, 0, 0)
+	require.NoError(t, err)
+	return c
 }

@@ -30,3 +30,6 @@ func SendListeners(c *net.UnixConn, lns ...net.Listener) error { return ErrUnsup
 
 // RecvListeners returns ErrUnsupported on this platform.
 func RecvListeners(c *net.UnixConn, n int) ([]net.Listener, error) { return nil, ErrUnsupported }
+
+// TCPPeerUID returns ErrUnsupported on this platform.
+func TCPPeerUID(local, remote *net.TCPAddr) (int, error) { return 0, ErrUnsupported }
