@@ -4,13 +4,12 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 )
 
 // tcpPair returns both ends of a loopback TCP connection.
@@ -92,7 +91,7 @@ func TestTCPPeerOfAnotherUIDRefused(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	defer ln.Close()
-	c := dialAsUID(t, 65534, ln.Addr().String())
+	c := peertest.DialTCPAs(t, 65534, ln.Addr().String())
 	defer c.Close()
 	sc, err := ln.Accept()
 	require.NoError(t, err)
@@ -101,17 +100,4 @@ func TestTCPPeerOfAnotherUIDRefused(t *testing.T) {
 	var pe *PeerError
 	require.ErrorAs(t, err, &pe)
 	require.Equal(t, 65534, pe.Cred.UID)
-}
-
-// dialAsUID dials addr from a socket the kernel records as uid's: this
-// thread's fsuid is uid while it is created.
-func dialAsUID(t *testing.T, uid int, addr string) net.Conn {
-	t.Helper()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	old, _, _ := unix.RawSyscall(unix.SYS_SETFSUID, uintptr(uid), 0, 0)
-	c, err := net.Dial("tcp", addr)
-	unix.RawSyscall(unix.SYS_SETFSUID, old, 0, 0)
-	require.NoError(t, err)
-	return c
 }

@@ -3,11 +3,10 @@ package sock
 import (
 	"net"
 	"os"
-	"runtime"
 	"testing"
 
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/stretchr/testify/require"
-	"golang.org/x/sys/unix"
 )
 
 // The kernel names our own uid as the owner of the other end of a
@@ -33,7 +32,7 @@ func TestTCPPeerUID(t *testing.T) {
 		// uid's: the kernel records the creator's fsuid, which this
 		// thread can change for the moment of the dial.
 		if os.Geteuid() == 0 {
-			other := dialAs(t, 65534, ln.Addr().String())
+			other := peertest.DialTCPAs(t, 65534, ln.Addr().String())
 			s2, err := ln.Accept()
 			require.NoError(t, err)
 			uid, err := TCPPeerUID(s2.LocalAddr().(*net.TCPAddr), s2.RemoteAddr().(*net.TCPAddr))
@@ -49,16 +48,4 @@ func TestTCPPeerUID(t *testing.T) {
 		s.Close()
 		ln.Close()
 	}
-}
-
-// dialAs dials addr from a socket created with fsuid uid.
-func dialAs(t *testing.T, uid int, addr string) net.Conn {
-	t.Helper()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	old, _, _ := unix.RawSyscall(unix.SYS_SETFSUID, uintptr(uid), 0, 0)
-	c, err := net.Dial("tcp", addr)
-	unix.RawSyscall(unix.SYS_SETFSUID, old, 0, 0)
-	require.NoError(t, err)
-	return c
 }
