@@ -247,5 +247,6 @@ func TestHostileEventFlood(t *testing.T) {
 	// Before harvests were bounded, Close waited until the flood paused
 	// by chance: 14 s in one run here, a few ms in others (a flooder in
 	// Go cannot always stay ahead: session.TestHarvestBound is exact).
-	require.Less(t, time.Since(start), 5*time.Second, "Close waited for the flood")
+	// The bound is loose, for machines that are busy with other work.
+	require.Less(t, time.Since(start), 10*time.Second, "Close waited for the flood")
 }
