@@ -237,10 +237,10 @@ func TestHostileEventFlood(t *testing.T) {
 	}()
 	defer func() { close(stop); <-flooding }()
 	p.wake(t)
-	for start := time.Now(); head.Load() < 10*cap && time.Since(start) < 10*time.Second; {
+	for start := time.Now(); head.Load() < 2*cap && time.Since(start) < 30*time.Second; {
 		runtime.Gosched() // the flood has reached the server once its head moves
 	}
-	require.GreaterOrEqual(t, head.Load(), int64(10*cap), "the server harvests the flood")
+	require.GreaterOrEqual(t, head.Load(), int64(2*cap), "the server harvests the flood")
 	require.NoError(t, proc.CloseInput())
 	start := time.Now()
 	proc.Expect(t, "closed")
