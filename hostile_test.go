@@ -2,6 +2,7 @@ package shmlink_test
 
 import (
 	"encoding/binary"
+	"encoding/json"
 	"io"
 	"net"
 	"os/exec"
@@ -29,7 +30,7 @@ type hostilePeer struct {
 	bufFd, queueFd int
 	bufMem, qMem   []byte
 	region         *buffer.Region
-	send           *queue.Ring
+	send, recv     *queue.Ring
 }
 
 // Message types of docs/protocol.md section 1.2.
@@ -43,11 +44,14 @@ const (
 
 // wireHeader returns the 8-byte header of a v3 message of type typ whose
 // payload has n bytes (docs/protocol.md section 1.1).
-func wireHeader(typ byte, n int) []byte {
+func wireHeader(typ byte, n int) []byte { return wireHeaderV(3, typ, n) }
+
+// wireHeaderV is wireHeader for protocol version v.
+func wireHeaderV(v, typ byte, n int) []byte {
 	b := make([]byte, 8, 8+n)
 	binary.BigEndian.PutUint32(b, uint32(8+n))
 	binary.BigEndian.PutUint16(b[4:], 0x7758)
-	b[6], b[7] = 3, typ
+	b[6], b[7] = v, typ
 	return b
 }
 
@@ -77,7 +81,7 @@ func dialHostile(t *testing.T, addr string) *hostilePeer {
 	})
 	p.region, err = buffer.Format(p.bufMem, buffer.DefaultSizeClasses())
 	require.NoError(t, err)
-	p.send, _, err = queue.FormatPair(p.qMem, 8192)
+	p.send, p.recv, err = queue.FormatPair(p.qMem, 8192)
 	require.NoError(t, err)
 
 	p.write(t, wireHeader(msgExchangeProtoVersion, 0))
@@ -131,8 +135,24 @@ func (p *hostilePeer) wake(t *testing.T) { p.write(t, wireHeader(msgPolling, 0))
 // crash shows as a failed test, and returns it with its address.
 func startServerPeer(t *testing.T) (*peertest.Proc, string, string) {
 	t.Helper()
+	return startServerPeerWith(t, "unix", nil)
+}
+
+// startServerPeerWith is startServerPeer on network ("unix" or "tcp")
+// with the server's Config fields in cfg (durations in nanoseconds).
+func startServerPeerWith(t *testing.T, network string, cfg map[string]any) (*peertest.Proc, string, string) {
+	t.Helper()
 	dir := t.TempDir()
-	proc := peertest.Start(t, "server", peertest.Params{Network: "unix", Addr: filepath.Join(dir, "s.sock"), ShmDir: dir})
+	p := peertest.Params{Network: network, Addr: "127.0.0.1:0", ShmDir: dir}
+	if network == "unix" {
+		p.Addr = filepath.Join(dir, "s.sock")
+	}
+	if cfg != nil {
+		js, err := json.Marshal(cfg)
+		require.NoError(t, err)
+		p.Config = js
+	}
+	proc := peertest.Start(t, "server", p)
 	return proc, proc.Expect(t, "ready "), dir
 }
 
@@ -141,8 +161,12 @@ func startServerPeer(t *testing.T) (*peertest.Proc, string, string) {
 // it reports the hostile stream's error), never crash.
 func requireStillServes(t *testing.T, proc *peertest.Proc, addr, dir string) {
 	t.Helper()
+	network := "unix"
+	if !filepath.IsAbs(addr) {
+		network = "tcp"
+	}
 	d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: dir}}
-	c, err := d.Dial("unix", addr)
+	c, err := d.Dial(network, addr)
 	require.NoError(t, err, "the server process no longer serves")
 	_, err = c.Write(peertest.Command(peertest.CmdEcho, 0))
 	require.NoError(t, err)

@@ -2,6 +2,7 @@ package shmlink_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -31,9 +32,17 @@ func TestMain(m *testing.M) {
 // its shared memory in p.ShmDir, prints "ready <addr>", serves streams with
 // peertest.ServeStream until standard input closes, then closes the
 // listener, prints "closed" once Close returned, and exits 0 (1 on any
-// error).
+// error). p.Config, if set, holds the fields of its Config beside ShmDir.
 func runServer(p peertest.Params) int {
-	lc := shmlink.ListenConfig{Config: &shmlink.Config{ShmDir: p.ShmDir}}
+	var cfg shmlink.Config
+	if len(p.Config) > 0 {
+		if err := json.Unmarshal(p.Config, &cfg); err != nil {
+			fmt.Fprintln(os.Stderr, "config:", err)
+			return 1
+		}
+	}
+	cfg.ShmDir = p.ShmDir
+	lc := shmlink.ListenConfig{Config: &cfg}
 	ln, err := lc.Listen(context.Background(), p.Network, p.Addr)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "listen:", err)

@@ -42,6 +42,9 @@ type Params struct {
 	UpgradeSocket string `json:",omitempty"` // ListenConfig.UpgradeSocket
 	Dir           string `json:",omitempty"` // a directory of the role's own
 	CPUProfile    string `json:",omitempty"` // a file for the peer's CPU profile
+	// Config holds fields of the role's shmlink.Config as a JSON object
+	// (durations in nanoseconds), for roles that take one.
+	Config json.RawMessage `json:",omitempty"`
 }
 
 // Main runs the role the process was started in, if any, and exits with
@@ -72,7 +75,7 @@ func Main(roles map[string]func(Params) int) {
 func Cmd(role string, p Params) *exec.Cmd {
 	js, err := json.Marshal(p)
 	if err != nil {
-		panic(err) // Params holds only strings and numbers
+		panic(err) // Params holds only strings, numbers and valid JSON
 	}
 	cmd := exec.Command(os.Args[0], "-test.run=^$", "-test.bench=^$")
 	cmd.Env = append(os.Environ(), roleEnv+"="+role, paramsEnv+"="+string(js))
