@@ -149,7 +149,7 @@ func TestTwoProcesses(t *testing.T) {
 	require.NoError(t, err)
 
 	const iters = 5000
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd := selfCommand("-test.run=^$")
 	cmd.Env = append(os.Environ(), peerEnv+"="+strconv.Itoa(iters))
 	cmd.ExtraFiles = []*os.File{f}
 	var stderr bytes.Buffer
@@ -190,4 +190,15 @@ func TestTwoProcesses(t *testing.T) {
 	}
 	require.NoError(t, cmd.Wait(), "peer: %s", stderr.String())
 	require.Equal(t, []int{0, 0, 0}, r.InUse())
+}
+
+// selfCommand returns the command that runs this test binary with args,
+// through the emulator named by SHMLINK_TEST_EMULATOR if set (a binary of
+// another architecture, run under qemu-user without binfmt_misc, cannot
+// exec itself directly).
+func selfCommand(args ...string) *exec.Cmd {
+	if em := os.Getenv("SHMLINK_TEST_EMULATOR"); em != "" {
+		return exec.Command(em, append([]string{os.Args[0]}, args...)...)
+	}
+	return exec.Command(os.Args[0], args...)
 }

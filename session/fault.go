@@ -2,6 +2,7 @@ package session
 
 import (
 	"fmt"
+	"runtime"
 	"runtime/debug"
 
 	"github.com/shmlink/shmlink/buffer"
@@ -41,13 +42,25 @@ func guard(f func() error) (err error) {
 func catchFault(err *error, old bool) {
 	debug.SetPanicOnFault(old)
 	if r := recover(); r != nil {
-		fa, ok := r.(interface{ Addr() uintptr })
-		if !ok {
-			panic(r)
+		if fa, ok := r.(interface{ Addr() uintptr }); ok {
+			*err = &faultError{fa.Addr()}
+			return
 		}
-		*err = &faultError{fa.Addr()}
+		if re, ok := r.(runtime.Error); ok && re.Error() == nilDeref {
+			// qemu-user delivers SIGBUS without the faulting address,
+			// and the runtime reports a fault at address 0 as a nil
+			// dereference. The guarded code dereferences no nil
+			// pointer of its own: its accesses are to the mapping.
+			*err = &faultError{0}
+			return
+		}
+		panic(r)
 	}
 }
+
+// nilDeref is the message of the runtime's panic for a fault at an address
+// below 4096 (runtime.panicmem).
+const nilDeref = "runtime error: invalid memory address or nil pointer dereference"
 
 // isFault reports whether err is, or wraps, a fault on shared memory. It
 // walks the chain by hand: errors.As would move its target to the heap on

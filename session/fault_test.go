@@ -168,3 +168,16 @@ func TestMemfdSealedByServer(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 100, n)
 }
+
+// A fault without its address (qemu-user delivers SIGBUS so, and the
+// runtime reports it as a nil dereference) ends the guarded call with a
+// fault error, as one with an address does; any other panic goes on.
+func TestGuardAddresslessFault(t *testing.T) {
+	var p *[4096]byte
+	err := guard(func() error { p[0] = 1; return nil })
+	require.True(t, isFault(err), "%v", err)
+	require.ErrorIs(t, err, buffer.ErrCorrupt)
+	require.PanicsWithValue(t, "not a fault", func() {
+		guard(func() error { panic("not a fault") })
+	})
+}

@@ -47,6 +47,12 @@ type Params struct {
 	Config json.RawMessage `json:",omitempty"`
 }
 
+// EmulatorEnv names the environment variable that, when set, names an
+// emulator (qemu-aarch64-static) through which peers run the test binary:
+// a binary of another architecture run under qemu-user without
+// binfmt_misc cannot exec itself directly.
+const EmulatorEnv = "SHMLINK_TEST_EMULATOR"
+
 // Main runs the role the process was started in, if any, and exits with
 // the code the role returns; roles maps role names to their functions.
 // In the test process itself it returns at once. Call it first in
@@ -77,7 +83,11 @@ func Cmd(role string, p Params) *exec.Cmd {
 	if err != nil {
 		panic(err) // Params holds only strings, numbers and valid JSON
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^$", "-test.bench=^$")
+	args := []string{os.Args[0], "-test.run=^$", "-test.bench=^$"}
+	if em := os.Getenv(EmulatorEnv); em != "" {
+		args = append([]string{em}, args...) // see EmulatorEnv
+	}
+	cmd := exec.Command(args[0], args[1:]...)
 	cmd.Env = append(os.Environ(), roleEnv+"="+role, paramsEnv+"="+string(js))
 	return cmd
 }
