@@ -34,6 +34,10 @@ type ctlWriter struct {
 	pollOwed atomic.Bool     // a Polling is to be written by sem's holder
 	pollMsg  []byte          // the encoded Polling message
 	flushers sync.WaitGroup  // flusher goroutines; Session.Close waits for them
+	// broken is the error of a write that found the peer's end closed
+	// (writeFailed); the session ends once the receive loop has read what
+	// the peer sent before.
+	broken atomic.Pointer[SessionError]
 
 	// The state of writeNow's raw write, made once so that a write
 	// allocates nothing; owned by sem's holder.
@@ -153,7 +157,7 @@ func (s *Session) writeNow(b []byte) bool {
 			err = c.rawErr
 		}
 		if err != nil {
-			s.failOp("write", err)
+			s.writeFailed(err)
 			return true // nothing more can be written
 		}
 	}
@@ -171,7 +175,7 @@ func (s *Session) writeNow(b []byte) bool {
 func (s *Session) flush(rest net.Buffers) {
 	defer s.ctl.flushers.Done()
 	if _, _, err := s.writeTimed(&rest, time.Time{}); err != nil {
-		s.failOp("write", err)
+		s.writeFailed(err)
 	}
 	s.releaseCtl()
 }
@@ -196,7 +200,7 @@ func (s *Session) sendCtl(bufs net.Buffers, cancel <-chan struct{}, dl time.Time
 		go s.flush(bufs)
 		return nil
 	default:
-		err = s.failOp("write", err)
+		err = s.writeFailed(err)
 	}
 	s.releaseCtl()
 	return err
@@ -226,6 +230,26 @@ func (s *Session) writeTimed(bufs *net.Buffers, dl time.Time) (n int64, byDeadli
 	}
 	// Not wrapped: the session's end must not read as a caller's deadline.
 	return n, false, fmt.Errorf("the peer took no control message for %v (Config.WriteTimeout): %v", s.ctl.timeout, err)
+}
+
+// writeFailed deals with a failed write on the control connection and
+// returns the error for the writer. A peer that closed its end (EPIPE,
+// ECONNRESET) may have put events and sent messages before it did, a
+// stream's data and close among them: the session then ends where the
+// receive loop reads the end of the connection, once it has delivered
+// them (recvLoop), or WriteTimeout from now if the peer still sends. Any
+// other failure ends the session at once.
+func (s *Session) writeFailed(err error) error {
+	if !errors.Is(err, syscall.EPIPE) && !errors.Is(err, syscall.ECONNRESET) {
+		return s.failOp("write", err)
+	}
+	serr := &SessionError{Op: "write", Err: err}
+	if s.ctl.broken.CompareAndSwap(nil, serr) {
+		s.conn.SetReadDeadline(time.Now().Add(s.ctl.timeout))
+	} else {
+		serr = s.ctl.broken.Load()
+	}
+	return serr
 }
 
 // writeCtl writes one whole control message within WriteTimeout; a

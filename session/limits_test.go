@@ -3,10 +3,12 @@ package session
 import (
 	"errors"
 	"io"
+	"net"
 	"os"
 	"testing"
 	"time"
 
+	"github.com/shmlink/shmlink/buffer"
 	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/shmlink/shmlink/queue"
 	"github.com/stretchr/testify/require"
@@ -17,6 +19,17 @@ import (
 // the client with the memory it created, and reads its socket only if it
 // wants to.
 func rawClient(t *testing.T, ccfg, scfg *Config) (*memory, *Session, func([]byte) error) {
+	t.Helper()
+	mem, server, cc := rawClientConn(t, ccfg, scfg)
+	write := func(b []byte) error {
+		_, err := cc.Write(b)
+		return err
+	}
+	return mem, server, write
+}
+
+// rawClientConn is rawClient that returns the client's socket.
+func rawClientConn(t *testing.T, ccfg, scfg *Config) (*memory, *Session, net.Conn) {
 	t.Helper()
 	cc, sc := socketPair(t)
 	done := make(chan *Session, 1)
@@ -37,11 +50,7 @@ func rawClient(t *testing.T, ccfg, scfg *Config) (*memory, *Session, func([]byte
 		cc.Close()
 		mem.release()
 	})
-	write := func(b []byte) error {
-		_, err := cc.Write(b)
-		return err
-	}
-	return mem, server, write
+	return mem, server, cc
 }
 
 // announce puts the event that opens stream id on the peer: an empty
@@ -193,4 +202,36 @@ func TestHarvestBound(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, more)
 	require.EqualValues(t, maxHarvest, server.Stats().EventsReceived)
+}
+
+// A peer that puts a stream's data and close and then closes its end of
+// the connection has them delivered, even when a write of ours finds the
+// connection closed (EPIPE) before the receive loop has harvested them:
+// the stream reads its data and io.EOF, not the write's error (#14: the
+// two-process test's server failed with "session write: broken pipe").
+func TestPeerGoneBeforeHarvest(t *testing.T) {
+	mem, server, cc := rawClientConn(t, nil, &Config{PollTime: -1})
+	write := func(b []byte) error { _, err := cc.Write(b); return err }
+	announceRaw(t, mem, 2, write)
+	st := accept(t, server)
+
+	server.rx.mu.Lock() // no harvest until the write has failed
+	var w buffer.ChainWriter
+	w.Reset(mem.region)
+	_, err := w.Write([]byte("last words"))
+	require.NoError(t, err)
+	head, _ := w.Finish()
+	require.NoError(t, mem.send.Put(queue.Event{StreamID: 2, Offset: head}))
+	require.NoError(t, mem.send.Put(queue.Event{StreamID: 2, Status: stateClosed}))
+	require.NoError(t, cc.Close())
+	_, err = st.Write([]byte("reply")) // its wakeup meets EPIPE
+	server.rx.mu.Unlock()
+	require.NoError(t, err, "the bytes were handed over before the wakeup failed")
+
+	require.NoError(t, st.SetReadDeadline(time.Now().Add(10*time.Second)))
+	got, err := io.ReadAll(st)
+	require.NoError(t, err)
+	require.Equal(t, "last words", string(got))
+	waitDone(t, server.Done(), "the session's end")
+	require.ErrorIs(t, server.Err(), ErrPeerClosed)
 }

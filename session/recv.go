@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -78,7 +79,7 @@ func (s *Session) recvLoop() {
 				}
 				err = ErrPeerClosed
 			}
-			s.failOp("read", err)
+			s.readFailed(err)
 			return
 		}
 		h, err := wire.ParseHeader(hdr[:], uint32(s.cfg.MaxMessageSize))
@@ -99,7 +100,7 @@ func (s *Session) recvLoop() {
 			return
 		}
 		if _, err := io.ReadFull(r, payload); err != nil {
-			s.failOp("read", err)
+			s.readFailed(err)
 			return
 		}
 		s.forgetNames()
@@ -108,6 +109,17 @@ func (s *Session) recvLoop() {
 			return
 		}
 	}
+}
+
+// readFailed ends the session for a failed read: with the error of the
+// write that found the peer's end closed if the read stopped at the
+// deadline that set (writeFailed), else with err.
+func (s *Session) readFailed(err error) {
+	if b := s.ctl.broken.Load(); b != nil && errors.Is(err, os.ErrDeadlineExceeded) {
+		s.fail(b)
+		return
+	}
+	s.failOp("read", err)
 }
 
 // handle acts on one control message after the handshake.

@@ -70,6 +70,9 @@ func (st *Stream) writeCheck() error {
 		return errDeadline
 	default:
 	}
+	if b := st.s.ctl.broken.Load(); b != nil {
+		return b // the peer's end is closed: the session ends soon
+	}
 	return st.s.Err()
 }
 
