@@ -40,7 +40,11 @@ func checkNetwork(network string) error {
 // default Config. See ListenConfig.Listen.
 func Listen(network, address string) (net.Listener, error) {
 	var lc ListenConfig
-	return lc.Listen(context.Background(), network, address)
+	ln, err := lc.Listen(context.Background(), network, address)
+	if err != nil {
+		return nil, err // an untyped nil: a nil *Listener would not be == nil
+	}
+	return ln, nil
 }
 
 // ListenConfig holds the options of a listener.
