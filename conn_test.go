@@ -28,7 +28,7 @@ func listen(t *testing.T, network string) (*shmlink.Listener, *shmlink.Config) {
 	lc := shmlink.ListenConfig{Config: cfg}
 	ln, err := lc.Listen(context.Background(), network, addr)
 	require.NoError(t, err)
-	t.Cleanup(func() { ln.Close() })
+	t.Cleanup(func() { ln.CloseSessions() })
 	return ln, cfg
 }
 
@@ -138,25 +138,97 @@ func TestConnErrors(t *testing.T) {
 	}
 }
 
-// Closing the listener ends its sessions: the client's streams fail
-// promptly, and a blocked Accept returns.
-func TestListenerCloseEndsStreams(t *testing.T) {
+// Closing the listener stops accepting and nothing more, as for a TCP or
+// Unix listener (#15: it ended every session, failing requests in
+// flight): Accept fails, an accepted stream goes on working, a
+// stream not yet accepted and a new stream on the same session are
+// refused (io.EOF), and the session ends with its last stream.
+func TestListenerCloseKeepsStreams(t *testing.T) {
 	ln, cfg := listen(t, "unix")
 	d := &shmlink.Dialer{Config: cfg}
 	defer d.Close()
 	c, err := d.Dial("unix", ln.Addr().String())
 	require.NoError(t, err)
+	s, err := ln.Accept()
+	require.NoError(t, err)
+	waiting, err := d.Dial("unix", ln.Addr().String()) // never accepted
+	require.NoError(t, err)
+	require.NoError(t, ln.Close())
 	_, err = ln.Accept()
+	require.ErrorIs(t, err, net.ErrClosed)
+	requireEOF := func(c net.Conn, what string) {
+		t.Helper()
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+		_, err := c.Read(make([]byte, 1))
+		require.ErrorIs(t, err, io.EOF, what)
+		require.NoError(t, c.Close())
+	}
+	requireEOF(waiting, "a stream Accept never returned")
+	late, err := d.Dial("unix", ln.Addr().String()) // the pooled session
+	require.NoError(t, err)
+	requireEOF(late, "a stream opened after Close")
+
+	// The accepted stream still works both ways.
+	_, err = c.Write([]byte("ping"))
+	require.NoError(t, err)
+	b := make([]byte, 4)
+	_, err = io.ReadFull(s, b)
+	require.NoError(t, err)
+	_, err = s.Write([]byte("pong"))
+	require.NoError(t, err)
+	_, err = io.ReadFull(c, b)
+	require.NoError(t, err)
+	require.Equal(t, "pong", string(b))
+	require.Equal(t, 1, ln.NumSessions())
+
+	require.NoError(t, s.Close())
+	require.NoError(t, c.Close())
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, ln.Shutdown(ctx), "the session ends with its last stream")
+	require.Zero(t, ln.NumSessions())
+}
+
+// CloseSessions ends the listener's sessions at once: a blocked Accept
+// returns, and streams on both sides fail promptly, with net.ErrClosed on
+// the server's.
+func TestListenerCloseSessions(t *testing.T) {
+	ln, cfg := listen(t, "unix")
+	d := &shmlink.Dialer{Config: cfg}
+	defer d.Close()
+	c, err := d.Dial("unix", ln.Addr().String())
+	require.NoError(t, err)
+	s, err := ln.Accept()
 	require.NoError(t, err)
 	accepted := make(chan error, 1)
 	go func() {
 		_, err := ln.Accept()
 		accepted <- err
 	}()
-	require.NoError(t, ln.Close())
-	require.ErrorIs(t, <-accepted, net.ErrClosed)
+	require.Equal(t, 1, ln.CloseSessions())
+	require.ErrorIs(t, <-accepted, net.ErrClosed, "a blocked Accept returns")
+	_, err = s.Read(make([]byte, 1))
+	require.ErrorIs(t, err, net.ErrClosed)
 	require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
 	_, err = c.Read(make([]byte, 1))
 	require.Error(t, err)
 	require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the session's end, not the deadline: %v", err)
+	require.Zero(t, ln.NumSessions())
+}
+
+// Shutdown waits for the streams in flight, and past its context ends
+// the sessions left and returns the context's error.
+func TestListenerShutdownDeadline(t *testing.T) {
+	ln, cfg := listen(t, "unix")
+	d := &shmlink.Dialer{Config: cfg}
+	defer d.Close()
+	c, err := d.Dial("unix", ln.Addr().String())
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = ln.Accept()
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	require.ErrorIs(t, ln.Shutdown(ctx), context.DeadlineExceeded)
+	require.Zero(t, ln.NumSessions(), "Shutdown ended the session left")
 }

@@ -217,3 +217,51 @@ func TestHTTP(t *testing.T) {
 		})
 	}
 }
+
+// http.Server.Shutdown over a shmlink Listener lets a request in flight
+// finish, as over a Unix socket (#15: closing the listener ended its
+// sessions; the request failed with "peer closed the session" while
+// Shutdown returned nil). The listener's sessions then end.
+func TestHTTPShutdownFinishesInFlight(t *testing.T) {
+	ln, cfg := listen(t, "unix")
+	entered, release := make(chan struct{}), make(chan struct{})
+	srv := &http.Server{ReadHeaderTimeout: time.Minute, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		close(entered)
+		<-release // in flight until the test lets it go
+		io.WriteString(w, "finished")
+	})}
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.Serve(ln) }()
+	d := &shmlink.Dialer{Config: cfg}
+	defer d.Close()
+	tr := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		return d.DialContext(ctx, "unix", ln.Addr().String())
+	}}
+	defer tr.CloseIdleConnections()
+	reply := make(chan error, 1)
+	go func() {
+		resp, err := (&http.Client{Transport: tr}).Get("http://shmlink/")
+		if err == nil {
+			var body []byte
+			body, err = io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err == nil && string(body) != "finished" {
+				err = fmt.Errorf("body %q", body)
+			}
+		}
+		reply <- err
+	}()
+	<-entered
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	shutdown := make(chan error, 1)
+	go func() { shutdown <- srv.Shutdown(ctx) }()
+	require.ErrorIs(t, <-serveErr, http.ErrServerClosed) // Shutdown closed the listener
+	close(release)
+	require.NoError(t, <-reply, "the request in flight")
+	require.NoError(t, <-shutdown)
+	tr.CloseIdleConnections()
+	require.NoError(t, ln.Shutdown(ctx), "the sessions end once their streams are closed")
+	require.Zero(t, ln.NumSessions())
+}

@@ -230,10 +230,14 @@ func (l *Listener) closedError(op string, err error) error {
 	return &net.OpError{Op: op, Net: l.ln.Addr().Network(), Addr: l.ln.Addr(), Err: err}
 }
 
-// Close stops listening and closes every session the listener accepted,
-// with all their streams; it waits for the listener's goroutines and
-// returns the error of closing the socket. Later calls return an error
-// satisfying errors.Is(err, net.ErrClosed), like a net.Listener's.
+// Close stops listening, as a net.Listener's Close does, and nothing
+// more: Accept returns an error satisfying errors.Is(err, net.ErrClosed),
+// streams already accepted live on, and each session ends when its last
+// stream does. New streams on those sessions are refused (the client
+// reads io.EOF on them), and streams that Accept has not returned are
+// closed. Close returns the error of closing the socket; later calls
+// return an error satisfying errors.Is(err, net.ErrClosed). Shutdown waits
+// for the sessions to end; CloseSessions ends them at once.
 func (l *Listener) Close() error {
 	err := l.closedError("close", net.ErrClosed)
 	l.closeOnce.Do(func() {
@@ -247,13 +251,50 @@ func (l *Listener) Close() error {
 			err = nil // closed by the handover already: no error
 		}
 		l.mu.Unlock()
-		l.closeSessions()
-		l.wg.Wait()
+		<-l.acceptDone
+		for _, s := range l.liveSessions() {
+			s.CloseWhenIdle()
+		}
 		if l.up != nil {
 			l.up.Close()
 		}
 	})
 	return err
+}
+
+// Shutdown closes the listener (see Close) and waits until every session
+// it accepted has ended, that is until their streams are closed, or until
+// ctx is done; then it ends the sessions left (CloseSessions) and returns
+// ctx.Err(). It returns nil once all ended by themselves, as
+// net/http.Server.Shutdown does. Call it after the server's own shutdown
+// (http.Server.Shutdown, grpc.Server.GracefulStop) has begun, or instead
+// of Close when no such server runs on the listener.
+func (l *Listener) Shutdown(ctx context.Context) error {
+	l.Close()
+	ended := make(chan struct{})
+	go func() {
+		l.wg.Wait()
+		close(ended)
+	}()
+	select {
+	case <-ended:
+		return nil
+	case <-ctx.Done():
+		l.CloseSessions()
+		return ctx.Err()
+	}
+}
+
+// CloseSessions closes the listener (see Close) and ends every session it
+// accepted at once, with all their streams, which then fail with an error
+// satisfying errors.Is(err, net.ErrClosed); the clients read that the
+// session ended. It waits for the listener's goroutines and returns the
+// number of sessions it ended.
+func (l *Listener) CloseSessions() int {
+	l.Close()
+	n := l.closeSessions()
+	l.wg.Wait()
+	return n
 }
 
 // liveSessions returns the sessions the listener tracks.
@@ -345,7 +386,7 @@ func (l *Listener) serve(conn net.Conn) {
 	l.mu.Lock()
 	if l.ctx.Err() != nil {
 		l.mu.Unlock()
-		s.Close()
+		s.Close() // a connection of the closed listener's backlog
 		return
 	}
 	l.sessions[s] = struct{}{}
@@ -358,26 +399,26 @@ func (l *Listener) serve(conn net.Conn) {
 		l.mu.Lock()
 		delete(l.sessions, s)
 		l.mu.Unlock()
-		// Close may have collected the sessions after this one left the
-		// set: a listener that is done ends the session here too.
-		if l.ctx.Err() != nil {
-			s.Close()
-		}
 	}()
 	for {
 		st, err := s.AcceptStream(l.ctx)
 		if err != nil {
-			// The session ended (its streams live on until closed) or the
-			// listener closed (Close closes the session).
-			return
+			break // the session ended, or the listener closed
 		}
 		select {
 		case l.accepts <- st:
+			continue
 		case <-l.ctx.Done():
 			st.Close()
-			return
 		}
+		break
 	}
+	// A closed listener's session ends with its last stream (Close,
+	// Shutdown), or when CloseSessions ends it; the session stays in the
+	// set until then. A Close that collected the sessions before this one
+	// joined the set leaves it to this goroutine.
+	s.CloseWhenIdle()
+	<-s.Done()
 }
 
 // handover is a Listener as its Upgrader drives it (upgrade.Listener).

@@ -30,9 +30,9 @@ func TestMain(m *testing.M) {
 
 // runServer is the "server" role: it listens on p.Network and p.Addr with
 // its shared memory in p.ShmDir, prints "ready <addr>", serves streams with
-// peertest.ServeStream until standard input closes, then closes the
-// listener, prints "closed" once Close returned, and exits 0 (1 on any
-// error). p.Config, if set, holds the fields of its Config beside ShmDir.
+// peertest.ServeStream until standard input closes, then ends the
+// listener and its sessions (CloseSessions), prints "closed", and exits 0
+// (1 on any error). p.Config, if set, holds the fields of its Config beside ShmDir.
 func runServer(p peertest.Params) int {
 	var cfg shmlink.Config
 	if len(p.Config) > 0 {
@@ -56,8 +56,8 @@ func runServer(p peertest.Params) int {
 		}
 	})
 	io.Copy(io.Discard, os.Stdin)
-	ln.Close()
-	fmt.Println("closed") // Close returned: its sessions ended
+	ln.CloseSessions()
+	fmt.Println("closed") // its sessions ended
 	wait()
 	if failed.Load() {
 		return 1

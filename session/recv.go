@@ -255,7 +255,7 @@ func (s *Session) dispatchLocked(m *memory, ev queue.Event, data []byte) error {
 // route returns the stream ev goes to, opening one on a server. It returns
 // nil when ev was dealt with here: its slices recycled for an unknown or
 // refused id, or a new stream refused because the accept backlog or
-// Config.MaxStreams is full. The caller holds rx.mu and shm.mu's read
+// Config.MaxStreams is full, or the session closes when idle. The caller holds rx.mu and shm.mu's read
 // lock.
 func (s *Session) route(m *memory, ev queue.Event) (*Stream, error) {
 	id, closing := ev.StreamID, ev.Status&0xff == stateClosed
@@ -283,7 +283,7 @@ func (s *Session) route(m *memory, ev queue.Event) (*Stream, error) {
 		s.mu.Unlock()
 		return nil, freeChain(m, ev.Offset) // data for a stream we do not know
 	}
-	if len(t.accepts) < s.cfg.AcceptBacklog && len(t.routed) < s.cfg.MaxStreams {
+	if len(t.accepts) < s.cfg.AcceptBacklog && len(t.routed) < s.cfg.MaxStreams && !s.idle.closeWhenIdle {
 		st := newStream(s, id)
 		s.addLocked(st)
 		t.accepts = append(t.accepts, st)
@@ -302,7 +302,7 @@ func (s *Session) route(m *memory, ev queue.Event) (*Stream, error) {
 	s.mu.Unlock()
 	s.ctr.streamsRefused.Add(1)
 	if s.warnRefused.allow() {
-		s.cfg.Logger.Warn("shmlink: refusing streams: accept backlog or MaxStreams full",
+		s.cfg.Logger.Warn("shmlink: refusing streams: accept backlog or MaxStreams full, or closing when idle",
 			"remote", s.conn.RemoteAddr(), "stream", id, "backlog", backlog, "streams", streams,
 			"refused_total", s.ctr.streamsRefused.Load())
 	}

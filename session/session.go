@@ -567,11 +567,22 @@ func (s *Session) idleExpired() {
 }
 
 // CloseWhenIdle makes the session end as soon as it has no stream left
-// (right away if it has none): for a session dialed for a single stream.
+// (right away if it has none): for a session dialed for a single stream,
+// or a server session whose listener closed. A server session also
+// refuses new streams from then on, as a closed listener's backlog would
+// (the client reads io.EOF on them; Stats.StreamsRefused counts them), and
+// closes the streams AcceptStream has not returned yet.
 func (s *Session) CloseWhenIdle() {
 	s.mu.Lock()
 	s.idle.closeWhenIdle = true
+	var pending []*Stream
+	if !s.isClient {
+		pending, s.tab.accepts = s.tab.accepts, nil
+	}
 	s.mu.Unlock()
+	for _, st := range pending {
+		st.Close()
+	}
 	s.checkIdle(false)
 }
 

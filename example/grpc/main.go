@@ -147,9 +147,9 @@ func runServer(w io.Writer, parent string, svc *echoService, client func(sock st
 	if err := client(sock).Run(); err != nil {
 		clientErr = fmt.Errorf("client process: %w", err)
 	}
-	// GracefulStop closes the listener first, and a shmlink Listener's
-	// Close also closes the sessions it accepted: calls still in flight
-	// would fail. Here the client process has exited by now.
+	// GracefulStop closes the listener, which stops accepting and
+	// nothing more, then waits for the calls in flight to finish
+	// (TestGracefulStopFinishesInFlight).
 	stopErr := stopGracefully(srv, stopTimeout)
 	serveErr := <-served
 	if serveErr != nil {
