@@ -3,7 +3,9 @@ package shmlink_test
 import (
 	"context"
 	"net"
+	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 
 	"github.com/shmlink/shmlink"
@@ -42,4 +44,37 @@ func TestFailuresReturnUntypedNil(t *testing.T) {
 	c, err = nl.Accept()
 	require.ErrorIs(t, err, net.ErrClosed)
 	require.True(t, c == nil, "Accept returned %#v", c)
+}
+
+// Listen takes over a socket file that a dead process left (nobody
+// listens on it) instead of failing with "address already in use" (#15),
+// and never takes a live listener's socket nor another kind of file.
+func TestListenStaleSocket(t *testing.T) {
+	dir := t.TempDir()
+	stale := filepath.Join(dir, "stale.sock")
+	old, err := net.Listen("unix", stale)
+	require.NoError(t, err)
+	old.(*net.UnixListener).SetUnlinkOnClose(false) // as after kill -9
+	require.NoError(t, old.Close())
+	ln, err := shmlink.Listen("unix", stale)
+	require.NoError(t, err, "a dead process's socket file")
+	require.NoError(t, ln.Close())
+
+	live := filepath.Join(dir, "live.sock")
+	other, err := net.Listen("unix", live)
+	require.NoError(t, err)
+	defer other.Close()
+	_, err = shmlink.Listen("unix", live)
+	require.ErrorIs(t, err, syscall.EADDRINUSE, "a live listener's socket")
+	c, err := net.Dial("unix", live)
+	require.NoError(t, err, "the live listener still has its socket")
+	c.Close()
+
+	file := filepath.Join(dir, "file")
+	require.NoError(t, os.WriteFile(file, []byte("mine"), 0o600))
+	_, err = shmlink.Listen("unix", file)
+	require.ErrorIs(t, err, syscall.EADDRINUSE)
+	b, err := os.ReadFile(file)
+	require.NoError(t, err)
+	require.Equal(t, "mine", string(b))
 }

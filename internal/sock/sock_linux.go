@@ -52,6 +52,10 @@ func PeerCred(c *net.UnixConn) (pid, uid, gid int, err error) {
 // someone allowed to rename entries in the socket's directory could swap
 // it in between, and such a user controls the address anyway.
 //
+// A socket file at path on which nobody listens, left by a process that
+// died, is removed first; a live listener's socket is never taken: bind
+// then fails with EADDRINUSE.
+//
 // Abstract addresses ("@name") and "" (autobind) have no file: they are
 // listened on as by net.ListenUnix and mode does not apply. The listener
 // removes the socket file when closed, like one from net.ListenUnix.
@@ -68,7 +72,11 @@ func ListenUnix(path string, mode os.FileMode) (*net.UnixListener, error) {
 	}
 	f := os.NewFile(uintptr(fd), "unix:"+path) // owns fd from here
 	defer f.Close()                            // net.FileListener keeps a dup
-	if err := unix.Bind(fd, &unix.SockaddrUnix{Name: path}); err != nil {
+	err = unix.Bind(fd, &unix.SockaddrUnix{Name: path})
+	if err == unix.EADDRINUSE && removeStale(path) {
+		err = unix.Bind(fd, &unix.SockaddrUnix{Name: path})
+	}
+	if err != nil {
 		return nil, opErr(os.NewSyscallError("bind", err))
 	}
 	ok := false
@@ -100,4 +108,21 @@ func ListenUnix(path string, mode os.FileMode) (*net.UnixListener, error) {
 	ul.SetUnlinkOnClose(true)
 	ok = true
 	return ul, nil
+}
+
+// removeStale removes the socket file at path if nobody listens on it: a
+// connect(2) is refused. It reports whether it removed it. Anything else
+// at path (a live socket, another kind of file) is left alone.
+func removeStale(path string) bool {
+	var st unix.Stat_t
+	if unix.Lstat(path, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFSOCK {
+		return false
+	}
+	fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	err = unix.Connect(fd, &unix.SockaddrUnix{Name: path})
+	unix.Close(fd)
+	return err == unix.ECONNREFUSED && os.Remove(path) == nil
 }

@@ -187,20 +187,18 @@ func checkReceived(ln net.Listener, network, address string) error {
 // listens) is removed first. It returns listen's error, and the upgrade
 // socket's wrapped.
 func Listen(cfg Config, listen func() (net.Listener, error)) (net.Listener, *Upgrader, error) {
-	uln, err := listenStale(cfg.Path, func() (net.Listener, error) {
-		return sock.ListenUnix(cfg.Path, socketMode)
-	})
+	uln, err := sock.ListenUnix(cfg.Path, socketMode) // a dead process's socket file goes
 	if err != nil {
 		return nil, nil, fmt.Errorf("shmlink: upgrade socket: %w", err)
 	}
 	// We own the upgrade socket, so no generation is alive: a socket file
-	// at a "unix" address is a dead one's.
-	ln, err := listenStale(cfg.Address, listen)
+	// at a "unix" address is a dead one's, which sock.ListenUnix removes.
+	ln, err := listen()
 	if err != nil {
 		uln.Close() // removes its file
 		return nil, nil, err
 	}
-	return ln, newUpgrader(cfg, uln.(*net.UnixListener), ln, 0, stateServing), nil
+	return ln, newUpgrader(cfg, uln, ln, 0, stateServing), nil
 }
 
 // noListener reports whether err, from dialing a Unix socket, means that
@@ -209,25 +207,3 @@ func noListener(err error) bool {
 	return errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)
 }
 
-// listenStale calls listen; if that fails because path exists, and path is
-// a Unix socket on which nobody listens (a dead process's), it removes it
-// and calls listen again.
-func listenStale(path string, listen func() (net.Listener, error)) (net.Listener, error) {
-	ln, err := listen()
-	if err == nil || !errors.Is(err, syscall.EADDRINUSE) || path == "" || path[0] == '@' {
-		return ln, err
-	}
-	if fi, serr := os.Lstat(path); serr != nil || fi.Mode().Type() != os.ModeSocket {
-		return nil, err
-	}
-	c, derr := net.Dial("unix", path)
-	if derr == nil {
-		c.Close()
-		return nil, err
-	}
-	if !errors.Is(derr, syscall.ECONNREFUSED) {
-		return nil, err
-	}
-	os.Remove(path)
-	return listen()
-}
