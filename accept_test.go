@@ -66,7 +66,7 @@ func runEMFILEServer(p peertest.Params) int {
 	}
 	go func() {
 		in.WriteTo(io.Discard) // until standard input closes
-		ln.Close()
+		ln.CloseSessions()
 	}()
 	peertest.ServeEach(ln, func(c net.Conn) { peertest.ServeStream(c) })()
 	return 0

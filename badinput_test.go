@@ -55,7 +55,7 @@ func echoListener(t *testing.T, network string, log *logBuffer) (*shmlink.Listen
 	require.NoError(t, err)
 	wait := serveStreams(ln)
 	t.Cleanup(func() {
-		ln.Close()
+		ln.CloseSessions()
 		wait()
 	})
 	return ln, cfg

@@ -16,8 +16,8 @@ import (
 
 // serveEcho accepts streams on ln and echoes each until EOF with at most
 // workers handler goroutines (streams wait in the accept queue meanwhile);
-// the returned function closes ln, which ends the streams, and waits for
-// the handlers.
+// the returned function ends ln and its sessions (CloseSessions), which
+// ends the streams, and waits for the handlers.
 func serveEcho(ln net.Listener, workers int) (stop func()) {
 	var wg sync.WaitGroup
 	for range workers {
@@ -35,7 +35,7 @@ func serveEcho(ln net.Listener, workers int) (stop func()) {
 		}()
 	}
 	return func() {
-		ln.Close()
+		ln.(*shmlink.Listener).CloseSessions() // the handlers' streams end too
 		wg.Wait()
 	}
 }
@@ -94,7 +94,7 @@ func TestDialerReplacesDeadSession(t *testing.T) {
 	c, err := d.Dial("unix", ln.Addr().String())
 	require.NoError(t, err)
 	s := c.(*shmlink.Stream).Session()
-	require.NoError(t, ln.Close())
+	ln.CloseSessions()
 	<-s.Done()
 	lc := shmlink.ListenConfig{Config: cfg}
 	ln2, err := lc.Listen(t.Context(), "unix", ln.Addr().String())

@@ -198,7 +198,7 @@ func TestPeerDeathClient(t *testing.T) {
 				ends <- streamEnd{at: time.Now(), err: err, s: c.(*shmlink.Stream).Session()}
 			})
 			defer func() {
-				ln.Close()
+				ln.CloseSessions()
 				wait()
 			}()
 			base := snapshot(t, cfg.ShmDir)

@@ -765,12 +765,12 @@ func soakInProcess(t *testing.T, tr transport, set soakSettings, variant uint64)
 	lc := shmlink.ListenConfig{Config: &scfg}
 	ln, err := lc.Listen(context.Background(), tr.network, addr)
 	require.NoError(t, err)
-	t.Cleanup(func() { ln.Close() })
+	t.Cleanup(func() { ln.CloseSessions() })
 	d := &shmlink.Dialer{Config: &ccfg, MaxSessions: pool.maxSessions, StreamsPerSession: pool.perSession, IdleTimeout: pool.idle}
 	t.Cleanup(func() { d.Close() })
 	run.stop = func() {
 		d.Close()
-		ln.Close()
+		ln.CloseSessions()
 	}
 	stopWatchdog := run.watchdog()
 	defer stopWatchdog()
