@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/shmlink/shmlink"
 	"github.com/stretchr/testify/require"
@@ -77,4 +78,51 @@ func TestListenStaleSocket(t *testing.T) {
 	b, err := os.ReadFile(file)
 	require.NoError(t, err)
 	require.Equal(t, "mine", string(b))
+}
+
+// Dial over TCP returns only after the server's handshake reply (#15: it
+// returned a connection from anything that accepted, and the first Read
+// failed at its deadline): a server that is not shmlink fails the dial
+// within HandshakeTimeout, and a shmlink server that cannot open the
+// client's files, for want of the same ShmDir, fails it with an error
+// that says so.
+func TestDialTCPWaitsForServer(t *testing.T) {
+	t.Run("not-shmlink", func(t *testing.T) {
+		other, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		defer other.Close()
+		go func() {
+			for {
+				c, err := other.Accept()
+				if err != nil {
+					return
+				}
+				defer c.Close() // accepts, says nothing
+			}
+		}()
+		dir := t.TempDir()
+		d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: dir, HandshakeTimeout: 200 * time.Millisecond}}
+		defer d.Close()
+		c, err := d.Dial("tcp", other.Addr().String())
+		require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+		require.True(t, c == nil)
+		requireDirEmpty(t, dir)
+	})
+	t.Run("other-shmdir", func(t *testing.T) {
+		ln, _ := listen(t, "tcp")
+		dir := t.TempDir()
+		d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: dir}}
+		defer d.Close()
+		_, err := d.Dial("tcp", ln.Addr().String())
+		require.ErrorContains(t, err, "same Config.ShmDir")
+		requireDirEmpty(t, dir)
+	})
+}
+
+// requireDirEmpty requires that dir holds no file.
+func requireDirEmpty(t *testing.T, dir string) {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Empty(t, ents)
 }

@@ -108,15 +108,19 @@ func openShared(path string, uid int) (*os.File, error) {
 // explainClose adds the likely reason to a client's handshake error caused
 // by the server closing the connection: a server closes, without a word
 // (the protocol has none), a client whose credentials or handshake it
-// refuses.
-func explainClose(err *error) {
+// refuses, and one whose files (memory type mt, in shmDir) it cannot open,
+// most often because its own Config.ShmDir differs.
+func explainClose(err *error, mt MemoryType, shmDir string) {
 	var se *SessionError
 	if *err == nil || !errors.As(*err, &se) || errors.Is(se.Err, ErrPeerRefused) {
 		return
 	}
 	if errors.Is(se.Err, io.EOF) || errors.Is(se.Err, io.ErrUnexpectedEOF) ||
 		errors.Is(se.Err, syscall.ECONNRESET) || errors.Is(se.Err, syscall.EPIPE) {
-		se.Err = fmt.Errorf("%w (the server closed the connection: it may refuse this process's uid %d or its handshake; see the server's log)",
-			se.Err, os.Geteuid())
+		why := fmt.Sprintf("it may refuse this process's uid %d or its handshake", os.Geteuid())
+		if mt == MemoryFile {
+			why += fmt.Sprintf(", or not open our files in %s: client and server need the same Config.ShmDir", shmDir)
+		}
+		se.Err = fmt.Errorf("%w (the server closed the connection: %s; see the server's log)", se.Err, why)
 	}
 }

@@ -30,10 +30,9 @@ type memory struct {
 	bufMem, queueMem []byte
 	region           *buffer.Region
 	send, recv       *queue.Ring
-	remove           []string   // file paths this side created and still has to unlink
-	locks            []*os.File // v2 client: its files, open to hold their locks (shm.Stale)
-	sealed           bool       // the peer cannot shrink the memory (shm.SealShrink)
-	unclaim          []func()   // a server's shm.Claim of the peer's files, undone on release
+	remove           []string // file paths this side created and still has to unlink
+	sealed           bool     // the peer cannot shrink the memory (shm.SealShrink)
+	unclaim          []func() // a server's shm.Claim of the peer's files, undone on release
 }
 
 // release unmaps both mappings and removes the files still owned.
@@ -46,7 +45,6 @@ func (m *memory) release() {
 	for _, f := range m.unclaim {
 		f()
 	}
-	closeFiles(m.locks)
 	*m = memory{}
 }
 
@@ -101,7 +99,6 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 	if _, err := checkPeer(conn, cfg); err != nil {
 		return nil, 0, err
 	}
-	defer explainClose(&err)
 	mt := cfg.MemoryType
 	if mt == MemoryAuto {
 		mt = MemoryFile
@@ -109,6 +106,7 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 			mt = MemoryMemfd
 		}
 	}
+	defer explainClose(&err, mt, cfg.ShmDir)
 	if mt == MemoryMemfd && !isUnix {
 		return nil, 0, handshakeError("config", errors.New("memfd needs a Unix socket"))
 	}
@@ -125,17 +123,6 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 	mem, files, err := createShared(cfg, mt, meta)
 	if err != nil {
 		return nil, 0, err
-	}
-	if mt == MemoryFile && !isUnix {
-		// v2: metadata, no reply. The files stay, open to hold their locks,
-		// until the server's first message or event shows it mapped them
-		// (Session.forgetNames).
-		mem.locks = files
-		if _, err = conn.Write(wire.AppendShareMemory(nil, 2, wire.TypeShareMemoryByFilePath, meta)); err != nil {
-			mem.release()
-			return nil, 0, handshakeError("send metadata", err)
-		}
-		return mem, 2, nil
 	}
 	defer closeFiles(files)
 	if version, err = shareV3(conn, uc, mt, meta, files); err != nil {
@@ -213,7 +200,7 @@ func shareV3(conn net.Conn, uc *net.UnixConn, mt MemoryType, meta wire.ShmMetada
 	}
 	version := min(h.Version, wire.ProtocolVersion)
 	if version < 3 {
-		return 0, handshakeError("version", fmt.Errorf("server speaks version %d; v3 is needed over a Unix socket", h.Version))
+		return 0, handshakeError("version", fmt.Errorf("server speaks version %d; this client speaks v3 only", h.Version))
 	}
 	if mt == MemoryMemfd {
 		if _, err = conn.Write(wire.AppendShareMemory(nil, version, wire.TypeShareMemoryByMemfd, meta)); err != nil {

@@ -9,6 +9,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/stretchr/testify/require"
@@ -102,9 +103,12 @@ func TestClientHandshakeV3Bytes(t *testing.T) {
 	require.NoError(t, r.s.Close())
 }
 
-// The client's v2 file handshake over a non-Unix connection: one
-// ShareMemoryByFilePath message, queue path first, no reply expected.
-func TestClientHandshakeV2Bytes(t *testing.T) {
+// The client's file handshake over a connection that is not a Unix socket
+// (TCP): v3 with a file path, queue path first, and the client returns
+// only once the server's AckShareMemory says it mapped the files (#15: it
+// sent v2, which has no reply, and Dial returned before the server had
+// answered at all). The files go once acknowledged.
+func TestClientHandshakeFileBytes(t *testing.T) {
 	dir := t.TempDir()
 	cc, sc := net.Pipe()
 	defer sc.Close()
@@ -115,11 +119,12 @@ func TestClientHandshakeV2Bytes(t *testing.T) {
 		s, err = Client(cc, &Config{ShmDir: dir})
 		done <- err
 	}()
+	require.Equal(t, "0000000877580304", hex.EncodeToString(readN(t, sc, 8)), "ExchangeProtoVersion")
+	_, err := sc.Write([]byte{0, 0, 0, 8, 0x77, 0x58, 3, 4})
+	require.NoError(t, err)
 	hdr := readN(t, sc, 8)
-	require.Equal(t, "77580200", hex.EncodeToString(hdr[4:]), "ShareMemoryByFilePath, version 2")
+	require.Equal(t, "77580300", hex.EncodeToString(hdr[4:]), "ShareMemoryByFilePath, version 3")
 	payload := readN(t, sc, int(binary.BigEndian.Uint32(hdr))-8)
-	require.NoError(t, <-done)
-	defer s.Close()
 	meta, err := wire.ParseShmMetadata(payload)
 	require.NoError(t, err)
 	require.Equal(t, uint16(len(meta.QueuePath)), binary.BigEndian.Uint16(payload), "queue path first")
@@ -129,12 +134,58 @@ func TestClientHandshakeV2Bytes(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, os.FileMode(0o600), fi.Mode().Perm(), p)
 	}
-	require.EqualValues(t, 2, s.Version())
-	require.NoError(t, s.Close())
+	select {
+	case err := <-done:
+		t.Fatalf("the client returned before AckShareMemory: %v", err)
+	default:
+	}
+	_, err = sc.Write([]byte{0, 0, 0, 8, 0x77, 0x58, 3, 6}) // AckShareMemory
+	require.NoError(t, err)
+	require.NoError(t, <-done)
+	defer s.Close()
+	require.EqualValues(t, 3, s.Version())
 	for _, p := range []string{meta.QueuePath, meta.BufferPath} {
 		_, err := os.Stat(p)
-		require.ErrorIs(t, err, os.ErrNotExist, "removed at Close: %s", p)
+		require.ErrorIs(t, err, os.ErrNotExist, "removed once acknowledged: %s", p)
 	}
+}
+
+// A client whose server does not answer fails within HandshakeTimeout; one
+// whose server closes the connection is told that the likely cause, with
+// file memory, is a different ShmDir (#15: it got "connection reset by
+// peer" and nothing else). Neither leaves a file behind.
+func TestClientHandshakeNoAnswer(t *testing.T) {
+	t.Run("silent", func(t *testing.T) {
+		dir := t.TempDir()
+		cc, sc := tcpPair(t)
+		defer sc.Close()
+		_, err := Client(cc, &Config{ShmDir: dir, HandshakeTimeout: 100 * time.Millisecond})
+		require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+		requireEmptyDir(t, dir)
+	})
+	t.Run("closed", func(t *testing.T) {
+		dir := t.TempDir()
+		cc, sc := tcpPair(t)
+		go func() {
+			readN(t, sc, 8) // ExchangeProtoVersion
+			sc.Write([]byte{0, 0, 0, 8, 0x77, 0x58, 3, 4})
+			readN(t, sc, 8) // the metadata's header, then away
+			sc.Close()
+		}()
+		_, err := Client(cc, &Config{ShmDir: dir})
+		require.Error(t, err)
+		require.ErrorContains(t, err, "same Config.ShmDir")
+		require.ErrorContains(t, err, dir)
+		requireEmptyDir(t, dir)
+	})
+}
+
+// requireEmptyDir requires that dir holds no file.
+func requireEmptyDir(t *testing.T, dir string) {
+	t.Helper()
+	ents, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Empty(t, ents)
 }
 
 // A server fed a handshake that sends the wrong number of fds refuses it

@@ -4,7 +4,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"github.com/shmlink/shmlink/internal/peertest"
@@ -27,58 +26,41 @@ func tcpPair(t *testing.T) (client, server net.Conn) {
 
 // A v2 client over TCP that names the files of another live session of
 // the server is refused (#14): its session would pop the victim's events
-// (docs/protocol.md section 9). The victim goes on working.
+// (docs/protocol.md section 9). The victim, a v2 client too (shmlink's
+// own client speaks v3, whose files are gone once acknowledged), keeps
+// its session.
 func TestV2HijackRefused(t *testing.T) {
 	dir := t.TempDir()
-	cfg := &Config{ShmDir: dir}
+	cfg := (&Config{ShmDir: dir}).withDefaults()
+	meta := wire.ShmMetadata{QueuePath: filepath.Join(dir, "victim_queue_0"), BufferPath: filepath.Join(dir, "victim_buffer")}
+	mem, files, err := createShared(&cfg, MemoryFile, meta)
+	require.NoError(t, err)
+	closeFiles(files)
+	defer mem.release()
 	cc, sc := tcpPair(t)
-	done := make(chan *Session, 1)
-	go func() {
-		s, err := Server(sc, cfg)
-		require.NoError(t, err)
-		done <- s
-	}()
-	victim, err := Client(cc, cfg)
+	defer cc.Close()
+	_, err = cc.Write(wire.AppendShareMemory(nil, 2, wire.TypeShareMemoryByFilePath, meta))
 	require.NoError(t, err)
-	defer victim.Close()
-	server := <-done
+	server, err := Server(sc, &cfg)
+	require.NoError(t, err)
 	defer server.Close()
-
-	// The victim's files stay in ShmDir until its server speaks.
-	var meta wire.ShmMetadata
-	ents, err := os.ReadDir(dir)
-	require.NoError(t, err)
-	for _, e := range ents {
-		switch p := filepath.Join(dir, e.Name()); {
-		case strings.HasSuffix(p, "_buffer"):
-			meta.BufferPath = p
-		case strings.HasSuffix(p, "_queue_0"):
-			meta.QueuePath = p
-		}
-	}
-	require.NotEmpty(t, meta.BufferPath)
-	require.NotEmpty(t, meta.QueuePath)
 
 	ac, asc := tcpPair(t)
 	defer ac.Close()
 	_, err = ac.Write(wire.AppendShareMemory(nil, 2, wire.TypeShareMemoryByFilePath, meta))
 	require.NoError(t, err)
-	attacker, err := Server(asc, cfg)
+	attacker, err := Server(asc, &cfg)
 	if err == nil {
 		attacker.Close()
 		t.Fatal("a second session mapped the files of a live one")
 	}
 	require.ErrorIs(t, err, ErrPathRefused)
 
-	c, err := victim.OpenStream(t.Context())
-	require.NoError(t, err)
-	s := accept(t, server)
-	_, err = c.Write([]byte("still mine"))
-	require.NoError(t, err)
-	b := make([]byte, 10)
-	_, err = s.Read(b)
-	require.NoError(t, err)
-	require.Equal(t, "still mine", string(b))
+	// The victim's session still serves its queue.
+	announceRaw(t, mem, 2, func(b []byte) error { _, err := cc.Write(b); return err })
+	st := accept(t, server)
+	require.EqualValues(t, 2, st.ID())
+	require.NoError(t, server.Err())
 }
 
 // Over loopback TCP the server learns the client's uid from the kernel

@@ -103,7 +103,6 @@ func (s *Session) recvLoop() {
 			s.readFailed(err)
 			return
 		}
-		s.forgetNames()
 		if err := s.handle(h, payload); err != nil {
 			s.failOp("read "+h.Type.String(), err)
 			return
@@ -199,7 +198,6 @@ func (s *Session) harvestLocked(m *memory, settle bool) (more bool, err error) {
 				break
 			}
 			s.ctr.eventsReceived.Add(1)
-			s.forgetNames()
 			if err := s.dispatchLocked(m, ev, nil); err != nil {
 				return false, err
 			}

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"math"
 	"net"
-	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -17,8 +16,8 @@ import (
 // A Session is one control connection plus the shared memory it set up: a
 // buffer region and an IO queue per direction. It multiplexes streams.
 // The client side opens streams (OpenStream); the server side accepts them
-// (AcceptStream). All methods are safe for concurrent use. doc.go describes
-// its goroutines and locks.
+// (AcceptStream). All methods are safe for concurrent use. The package
+// documentation describes its goroutines and locks.
 type Session struct {
 	cfg      Config
 	conn     net.Conn
@@ -32,16 +31,6 @@ type Session struct {
 	ctr   counters
 	// warnRefused and warnAck rate-limit warnings a peer can trigger.
 	warnRefused, warnAck rateLimit
-
-	// names are the files of a v2 handshake that this client created and
-	// still has to unlink; the v2 server sends no reply, so they go as
-	// soon as anything comes from it (see forgetNames).
-	names     []string
-	locks     []*os.File // the files' owner locks, closed with them (shm.Stale)
-	namesLive atomic.Bool
-	// namesDeadline bounds how long an orderly end waits for the server
-	// to take the names (serverBehind).
-	namesDeadline time.Time
 
 	mu   sync.Mutex  // guards tab, err, idle and hr
 	tab  streamTable // the session's streams
@@ -170,11 +159,6 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 	}
 	s.rx.init(s)
 	s.shm.init(mem, &c)
-	if len(mem.remove) > 0 {
-		s.names, s.locks = mem.remove, mem.locks
-		s.namesLive.Store(true)
-		s.namesDeadline = time.Now().Add(c.HandshakeTimeout)
-	}
 	c.Logger.Debug("shmlink: session started", "client", isClient, "version", version,
 		"remote", conn.RemoteAddr(), "buffer", len(mem.bufMem), "queue", len(mem.queueMem))
 	go s.recvLoop()
@@ -365,16 +349,11 @@ func (s *Session) liveStreams() []*Stream {
 // connection is closed and the shared memory unmapped (and its files
 // removed). Slices returned by zero-copy reads become invalid. Close waits
 // for the session's goroutine and returns nil, also when the session had
-// already ended by itself; later calls return ErrSessionClosed. A client
-// whose v2 server has not yet opened its files first waits for that, until
-// Config.HandshakeTimeout after the session began, so that data written
-// before Close arrives (docs/protocol.md section 9); an idle session's
-// timeout waits likewise.
+// already ended by itself; later calls return ErrSessionClosed.
 func (s *Session) Close() error {
 	if s.closeCalled.Swap(true) {
 		return ErrSessionClosed
 	}
-	s.awaitMapped()
 	s.fail(ErrSessionClosed)
 	s.mu.Lock()
 	s.tab.accepts = nil
@@ -545,14 +524,6 @@ func (s *Session) checkIdle(memHeld bool) {
 // idleExpired ends the session if it is still idle when its idle timer
 // fires.
 func (s *Session) idleExpired() {
-	if s.serverBehind() { // not idle until its v2 server has what it was sent
-		s.mu.Lock()
-		if s.idle.timer != nil && s.err == nil {
-			s.idle.timer.Reset(max(s.idle.timeout, time.Millisecond))
-		}
-		s.mu.Unlock()
-		return
-	}
 	s.mu.Lock()
 	idle := s.idleLocked()
 	if idle {
@@ -598,51 +569,4 @@ func (s *Session) SetIdleTimeout(d time.Duration) {
 	}
 	s.mu.Unlock()
 	s.checkIdle(false)
-}
-
-// serverBehind reports whether this client's v2 server may not have
-// opened the client's files yet while events wait for it in the queue:
-// the names are live, the queue is not empty, and HandshakeTimeout since
-// the session began has not passed. A v2 server opens the files by name,
-// with no reply (docs/protocol.md section 9), perhaps only after the
-// client is done with the session: unlinking them before would lose what
-// was written, where a socket's close would not. The events being taken
-// shows the files mapped.
-func (s *Session) serverBehind() bool {
-	if !s.namesLive.Load() || time.Now().After(s.namesDeadline) {
-		return false
-	}
-	var pending bool
-	if s.withMem(func(m *memory) error { pending = !m.send.Empty(); return nil }) != nil {
-		return false
-	}
-	return pending
-}
-
-// awaitMapped waits while serverBehind, or until the session ends.
-func (s *Session) awaitMapped() {
-	if !s.serverBehind() {
-		return
-	}
-	tick := time.NewTicker(time.Millisecond) // the server's harvest sends us nothing
-	defer tick.Stop()
-	for s.serverBehind() {
-		select {
-		case <-s.dead:
-			return
-		case <-tick.C:
-		}
-	}
-}
-
-// forgetNames unlinks the files of a v2 handshake once the server has
-// spoken: it mapped them before anything it sends, so a kill -9 of this
-// process later leaves nothing behind in ShmDir.
-func (s *Session) forgetNames() {
-	if s.namesLive.Load() && s.namesLive.CompareAndSwap(true, false) {
-		for _, p := range s.names {
-			os.Remove(p)
-		}
-		closeFiles(s.locks) // memory.release closes them again: harmless
-	}
 }

@@ -206,4 +206,3 @@ func Listen(cfg Config, listen func() (net.Listener, error)) (net.Listener, *Upg
 func noListener(err error) bool {
 	return errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED)
 }
-
