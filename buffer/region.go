@@ -86,6 +86,44 @@ func Format(mem []byte, classes []SizeClass) (*Region, error) {
 	if reason := checkMem(mem); reason != "" {
 		return nil, fmt.Errorf("buffer: format: %s: %w", reason, errBadConfig)
 	}
+	counts, err := layout(uint64(len(mem)), classes)
+	if err != nil {
+		return nil, err
+	}
+	base := unsafe.Pointer(unsafe.SliceData(mem))
+	lists := make([]list, len(classes))
+	off := uint64(regionHeaderSize)
+	for i, c := range classes {
+		lists[i] = newList(base, uint32(off), uint32(counts[i]), c.SliceSize)
+		off += listHeaderSize + counts[i]*(uint64(c.SliceSize)+sliceHeaderSize)
+	}
+	binary.NativeEndian.PutUint16(mem[regionOffLists:], uint16(len(classes)))
+	binary.NativeEndian.PutUint16(mem[regionOffReserved:], 0)
+	binary.NativeEndian.PutUint32(mem[regionOffUsed:], uint32(off-regionHeaderSize))
+	for i := range lists {
+		lists[i].format(base)
+	}
+	return newRegion(mem, lists), nil
+}
+
+// CheckFormat reports whether Format accepts a region of size bytes with
+// the given classes, without any memory: nil, or Format's error. The
+// memory's alignment, which Format checks too, is not in question for a
+// mapping.
+func CheckFormat(size int, classes []SizeClass) error {
+	switch {
+	case size < regionHeaderSize:
+		return fmt.Errorf("buffer: format: %d bytes of memory, want at least %d: %w", size, regionHeaderSize, errBadConfig)
+	case uint64(size) > math.MaxUint32:
+		return fmt.Errorf("buffer: format: %d bytes of memory, want less than 4 GiB: %w", size, errBadConfig)
+	}
+	_, err := layout(uint64(size), classes)
+	return err
+}
+
+// layout checks classes for a region of size bytes (Format's conditions)
+// and returns the number of slices of each class.
+func layout(size uint64, classes []SizeClass) ([]uint64, error) {
 	n := len(classes)
 	if n == 0 || n > maxLists {
 		return nil, fmt.Errorf("buffer: format: %d size classes, want 1 to %d: %w", n, maxLists, errBadConfig)
@@ -106,30 +144,19 @@ func Format(mem []byte, classes []SizeClass) (*Region, error) {
 		return nil, fmt.Errorf("buffer: format: percents sum to %d, want 100: %w", sum, errBadConfig)
 	}
 	headers := uint64(regionHeaderSize + listHeaderSize*n)
-	if uint64(len(mem)) <= headers {
-		return nil, fmt.Errorf("buffer: format: %d bytes cannot hold %d list headers: %w", len(mem), n, errBadConfig)
+	if size <= headers {
+		return nil, fmt.Errorf("buffer: format: %d bytes cannot hold %d list headers: %w", size, n, errBadConfig)
 	}
-	regionCap := uint64(len(mem)) - headers
-	base := unsafe.Pointer(unsafe.SliceData(mem))
-	lists := make([]list, n)
-	off := uint64(regionHeaderSize)
+	regionCap := size - headers
+	counts := make([]uint64, n)
 	for i, c := range classes {
-		stride := uint64(c.SliceSize) + sliceHeaderSize
-		count := regionCap * uint64(c.Percent) / 100 / stride
-		if count < 2 {
+		counts[i] = regionCap * uint64(c.Percent) / 100 / (uint64(c.SliceSize) + sliceHeaderSize)
+		if counts[i] < 2 {
 			return nil, fmt.Errorf("buffer: format: class %d (%d-byte slices at %d%%) gets %d slices of %d bytes, want at least 2: %w",
-				i, c.SliceSize, c.Percent, count, len(mem), errBadConfig)
+				i, c.SliceSize, c.Percent, counts[i], size, errBadConfig)
 		}
-		lists[i] = newList(base, uint32(off), uint32(count), c.SliceSize)
-		off += listHeaderSize + count*stride
 	}
-	binary.NativeEndian.PutUint16(mem[regionOffLists:], uint16(n))
-	binary.NativeEndian.PutUint16(mem[regionOffReserved:], 0)
-	binary.NativeEndian.PutUint32(mem[regionOffUsed:], uint32(off-regionHeaderSize))
-	for i := range lists {
-		lists[i].format(base)
-	}
-	return newRegion(mem, lists), nil
+	return counts, nil
 }
 
 // Attach returns a view of a region a peer formatted in mem (docs/protocol.md

@@ -120,6 +120,20 @@ func checkMemory(mem []byte, cap uint32) error {
 	return nil
 }
 
+// CheckFormat reports whether FormatPair accepts a queue of cap events
+// per half, without any memory (docs/protocol.md section 3.1): nil, or
+// FormatPair's error about cap, which must be 1 to MaxCap and place the
+// second half's counters where this architecture can use them atomically.
+func CheckFormat(cap uint32) error {
+	if cap < 1 || cap > MaxCap {
+		return fmt.Errorf("%w: cap %d outside 1..%d", errBadConfig, cap, MaxCap)
+	}
+	if err := checkPlacement("second", halfSize(cap)); err != nil {
+		return fmt.Errorf("%w (cap %d)", err, cap)
+	}
+	return nil
+}
+
 // newRing returns the Ring of the half in mem, which holds a checked header
 // and cap events.
 func newRing(mem []byte, cap uint32) *Ring {

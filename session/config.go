@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"path/filepath"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
@@ -71,6 +72,14 @@ const (
 	// defaultWriteTimeout bounds one write on the control connection.
 	defaultWriteTimeout = 10 * time.Second
 )
+
+// maxPollTime bounds PollTime: polling is worth it only while it is
+// shorter than going to sleep and being woken (tens of microseconds on a
+// VM, docs/protocol.md section 12). A variable for the tests of leases,
+// which need polls that do not end by time.
+var maxPollTime atomic.Int64
+
+func init() { maxPollTime.Store(int64(10 * time.Millisecond)) }
 
 // Config tunes a session. The zero value works: every zero field takes the
 // default named in its comment. A Config is copied when a session starts, so
@@ -150,9 +159,10 @@ type Config struct {
 	// its data leaves the flag that spares the peer's wakeups set for one
 	// to two PollTimes more (about 1 ms when the process is otherwise
 	// idle, Go's timer resolution), unless another reader sleeps: events
-	// for streams nobody is reading wait that long at most (lease.go).
-	// Default 50 µs; negative turns polling off (every
-	// wait sleeps, every message after a pause costs a wakeup).
+	// for streams nobody is reading wait that long at most
+	// (docs/protocol.md section 12). Default 50 µs, at most 10 ms;
+	// negative turns polling off (every wait sleeps, every message after
+	// a pause costs a wakeup).
 	PollTime time.Duration
 
 	// StreamMemoryLimit is how many bytes of the buffer region one stream's
@@ -210,6 +220,9 @@ type Config struct {
 
 // Validate reports the first field of c that is out of range, as a
 // *ConfigError naming it. Zero fields are valid (they mean the default).
+// It refuses every config whose region or queue the handshake could not
+// create (buffer.CheckFormat, queue.CheckFormat), so a config it passes
+// makes working sessions.
 func (c *Config) Validate() error {
 	switch {
 	case c.BufferSize < 0:
@@ -238,21 +251,24 @@ func (c *Config) Validate() error {
 		return &ConfigError{Field: "WriteTimeout", Reason: "negative"}
 	case c.QueueFullTimeout < 0:
 		return &ConfigError{Field: "QueueFullTimeout", Reason: "negative"}
+	case c.PollTime > time.Duration(maxPollTime.Load()):
+		return &ConfigError{Field: "PollTime", Reason: fmt.Sprintf("above %v: a poller keeps a core busy that long", time.Duration(maxPollTime.Load()))}
 	}
 	if err := c.validateAccess(); err != nil {
 		return err
 	}
-	if c.SizeClasses != nil {
-		sum := uint32(0)
-		for i, sc := range c.SizeClasses {
-			if sc.SliceSize == 0 || (i > 0 && sc.SliceSize <= c.SizeClasses[i-1].SliceSize) {
-				return &ConfigError{Field: "SizeClasses", Reason: "slice sizes must be positive and ascending"}
-			}
-			sum += sc.Percent
+	// What the handshake makes of the rest: the region and the queue a
+	// client creates with these settings and the defaults.
+	d := c.withDefaults()
+	if err := buffer.CheckFormat(d.BufferSize, d.SizeClasses); err != nil {
+		field := "BufferSize"
+		if c.SizeClasses != nil {
+			field = "SizeClasses"
 		}
-		if sum != 100 {
-			return &ConfigError{Field: "SizeClasses", Reason: "percents must sum to 100"}
-		}
+		return &ConfigError{Field: field, Reason: err.Error()}
+	}
+	if err := queue.CheckFormat(d.QueueCap); err != nil {
+		return &ConfigError{Field: "QueueCap", Reason: err.Error()}
 	}
 	return nil
 }

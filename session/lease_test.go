@@ -50,7 +50,7 @@ func leaseOnce(t *testing.T, server *Session, c, st *Stream) {
 // A reader that got its data and comes back for more keeps the working
 // flag leased in between: the writer's messages meanwhile cost no wakeup.
 func TestLeaseSkipsWakeups(t *testing.T) {
-	cfg := &Config{PollTime: time.Hour} // no poll or lease ends by time here
+	cfg := &Config{PollTime: endlessPolls(t)} // no poll or lease ends by time here
 	client, server := pair(t, cfg)
 	c, s := streamPair(t, client, server)
 	leaseOnce(t, server, c, s)
@@ -73,7 +73,7 @@ func TestLeaseSkipsWakeups(t *testing.T) {
 // events settles the flag instead of leasing it, so that the peer's next
 // event wakes the sleeper.
 func TestLeaseYieldsToBlockedReader(t *testing.T) {
-	cfg := &Config{PollTime: time.Hour}
+	cfg := &Config{PollTime: endlessPolls(t)}
 	client, server := pair(t, cfg)
 	ca, sa := streamPair(t, client, server)
 	cb, sb := streamPair(t, client, server)
@@ -103,7 +103,7 @@ func TestLeaseYieldsToBlockedReader(t *testing.T) {
 // events that came meanwhile are delivered without a reader, and the lease
 // timer stops.
 func TestLeaseExpires(t *testing.T) {
-	cfg := &Config{PollTime: 50 * time.Millisecond}
+	cfg := &Config{PollTime: 10 * time.Millisecond}
 	client, server := pair(t, cfg)
 	c, s := streamPair(t, client, server)
 	// On a loaded machine the reader may stop polling before the byte
@@ -127,7 +127,7 @@ func TestLeaseExpires(t *testing.T) {
 // A new stream's announcement wakes the server even while its flag is
 // leased: AcceptStream does not wait for the lease to end.
 func TestAnnounceWakesLeasedServer(t *testing.T) {
-	cfg := &Config{PollTime: time.Hour}
+	cfg := &Config{PollTime: endlessPolls(t)}
 	client, server := pair(t, cfg)
 	c, s := streamPair(t, client, server)
 	leaseOnce(t, server, c, s)
@@ -143,4 +143,12 @@ func TestAnnounceWakesLeasedServer(t *testing.T) {
 	acc, err := server.AcceptStream(ctx)
 	require.NoError(t, err)
 	require.Equal(t, st.ID(), acc.ID())
+}
+
+// endlessPolls lifts the bound on PollTime for the test and returns a
+// PollTime (an hour) by which no poll or lease ends.
+func endlessPolls(t *testing.T) time.Duration {
+	old := maxPollTime.Swap(int64(time.Hour))
+	t.Cleanup(func() { maxPollTime.Store(old) })
+	return time.Hour
 }

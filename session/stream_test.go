@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"math/rand/v2"
 	"net"
 	"os"
 	"testing"
@@ -285,6 +286,12 @@ func TestConfigValidate(t *testing.T) {
 		{Config{MaxMessageSize: 10}, "MaxMessageSize"},
 		{Config{AcceptBacklog: -1}, "AcceptBacklog"},
 		{Config{QueueFullTimeout: -1}, "QueueFullTimeout"},
+		// #15: these passed Validate and then failed the handshake.
+		{Config{BufferSize: 64 << 10}, "BufferSize"}, // the default classes need more
+		{Config{BufferSize: 1 << 20}, "BufferSize"},
+		{Config{SizeClasses: []buffer.SizeClass{{SliceSize: 4094, Percent: 100}}}, "SizeClasses"},     // not a multiple of 4
+		{Config{SizeClasses: []buffer.SizeClass{{SliceSize: 16 << 20, Percent: 100}}}, "SizeClasses"}, // one slice
+		{Config{PollTime: time.Hour}, "PollTime"},
 	}
 	for _, tc := range cases {
 		err := tc.cfg.Validate()
@@ -293,6 +300,64 @@ func TestConfigValidate(t *testing.T) {
 		require.Equal(t, tc.field, ce.Field)
 	}
 	require.NoError(t, (&Config{}).Validate())
+}
+
+// Validate refuses every config the handshake would refuse (#15): for
+// random configs around the limits, one that Validate passes makes a
+// session pair that carries a message both ways, and one it refuses
+// gets a *ConfigError.
+func TestConfigValidateProperty(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	pick := func(v ...int) int { return v[rng.IntN(len(v))] }
+	var passed, refused int
+	for i := range 300 {
+		cfg := &Config{
+			BufferSize: pick(0, 64<<10, 256<<10, 1<<20, 4<<20, 64<<10+rng.IntN(8<<20)),
+			QueueCap:   uint32(pick(0, 1, 2, 3, 5, 64, 1000, 8191, rng.IntN(1<<16))),
+			PollTime:   time.Duration(pick(0, -1, int(time.Microsecond), int(10*time.Millisecond), int(time.Second))),
+		}
+		if rng.IntN(2) == 0 {
+			n := 1 + rng.IntN(4)
+			size, left := uint32(0), uint32(100)
+			for k := range n {
+				size += uint32(4 * (1 + rng.IntN(2048)))
+				if rng.IntN(8) == 0 {
+					size += 2 // not a multiple of 4
+				}
+				pct := left
+				if k < n-1 {
+					pct = uint32(rng.IntN(int(left) + 1))
+				}
+				left -= pct
+				cfg.SizeClasses = append(cfg.SizeClasses, buffer.SizeClass{SliceSize: size, Percent: pct})
+			}
+		}
+		if err := cfg.Validate(); err != nil {
+			var ce *ConfigError
+			require.ErrorAs(t, err, &ce, "config %d", i)
+			refused++
+			continue
+		}
+		passed++
+		client, server := pairWith(t, cfg, nil) // fails the test if the handshake fails
+		c, err := client.OpenStream(t.Context())
+		require.NoError(t, err)
+		st := accept(t, server)
+		msg := bytes.Repeat([]byte{byte(i)}, 1+rng.IntN(100<<10))
+		for _, dir := range [][2]*Stream{{c, st}, {st, c}} {
+			go dir[0].Write(msg)
+			got := make([]byte, len(msg))
+			require.NoError(t, dir[1].SetReadDeadline(time.Now().Add(10*time.Second)))
+			_, err := io.ReadFull(dir[1], got)
+			require.NoError(t, err, "config %d: %+v", i, cfg)
+			require.Equal(t, msg, got)
+		}
+		require.NoError(t, client.Close())
+		require.NoError(t, server.Close())
+	}
+	t.Logf("%d configs passed Validate and worked, %d were refused", passed, refused)
+	require.Positive(t, passed)
+	require.Positive(t, refused)
 }
 
 // TestEmptyFirstSlice sends a chain whose first slice holds no bytes, as a
