@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"syscall"
 
 	"github.com/shmlink/shmlink/internal/wire"
 )
@@ -51,8 +52,12 @@ var (
 	ErrHandshake = errors.New("shmlink: handshake failed")
 
 	// ErrPeerClosed is the cause recorded when the peer closed the control
-	// connection; streams that still had data to write see it.
-	ErrPeerClosed = errors.New("shmlink: peer closed the session")
+	// connection without closing the stream first (it died, or ended its
+	// session): the stream's calls return it, inside a *SessionError, after
+	// the data that arrived before. As a socket's reset does, it satisfies
+	// errors.Is(err, syscall.ECONNRESET); a stream the peer closed in order
+	// reads io.EOF instead.
+	ErrPeerClosed = fmt.Errorf("shmlink: peer closed the session: %w", syscall.ECONNRESET)
 
 	// ErrDraining is returned by OpenStream on a client session that has
 	// acknowledged a hot restart (docs/protocol.md section 5): the old server
@@ -92,8 +97,11 @@ type SessionError struct {
 	Err error  // the cause
 }
 
-// Error returns "shmlink: session <Op>: <Err>".
-func (e *SessionError) Error() string { return "shmlink: session " + e.Op + ": " + e.Err.Error() }
+// Error returns "shmlink: session <Op>: <Err>", with the "shmlink: "
+// prefixes of the causes dropped: one per message.
+func (e *SessionError) Error() string {
+	return "shmlink: " + strings.ReplaceAll("session "+e.Op+": "+e.Err.Error(), "shmlink: ", "")
+}
 
 // Unwrap returns the cause.
 func (e *SessionError) Unwrap() error { return e.Err }

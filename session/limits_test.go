@@ -5,6 +5,8 @@ import (
 	"io"
 	"net"
 	"os"
+	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -234,4 +236,24 @@ func TestPeerGoneBeforeHarvest(t *testing.T) {
 	require.Equal(t, "last words", string(got))
 	waitDone(t, server.Done(), "the session's end")
 	require.ErrorIs(t, server.Err(), ErrPeerClosed)
+}
+
+// A peer that dies leaves errors in the net vocabulary (#15): the
+// stream's Read and Write match syscall.ECONNRESET, as a socket's do,
+// not io.EOF, which is for a stream the peer closed; and a message
+// carries one "shmlink: " prefix.
+func TestPeerDeathErrors(t *testing.T) {
+	mem, server, cc := rawClientConn(t, nil, nil)
+	announceRaw(t, mem, 2, func(b []byte) error { _, err := cc.Write(b); return err })
+	st := accept(t, server)
+	require.NoError(t, cc.Close()) // the peer dies
+	require.NoError(t, st.SetReadDeadline(time.Now().Add(10*time.Second)))
+	_, rerr := st.Read(make([]byte, 1))
+	waitDone(t, server.Done(), "the session's end")
+	_, werr := st.Write([]byte("x"))
+	for _, err := range []error{rerr, werr, server.Err()} {
+		require.ErrorIs(t, err, syscall.ECONNRESET)
+		require.NotErrorIs(t, err, io.EOF)
+		require.Equal(t, 1, strings.Count(err.Error(), "shmlink: "), "%q", err)
+	}
 }
