@@ -24,6 +24,7 @@ import (
 
 	"github.com/shmlink/shmlink"
 	"github.com/shmlink/shmlink/internal/peertest"
+	"github.com/shmlink/shmlink/internal/upgrade"
 	"github.com/stretchr/testify/require"
 )
 
@@ -239,7 +240,15 @@ func TestUpgradeFailureKeepsServing(t *testing.T) {
 		serves(10)
 	})
 	t.Run("other network", func(t *testing.T) {
-		_, err := listenUpgradable(t, transport{network: "tcp"}, "127.0.0.1:0", usock, cfg)
+		// Until the old process has seen the last attempt fail, it
+		// refuses (busy): ask again then.
+		var err error
+		for start := time.Now(); ; time.Sleep(time.Millisecond) {
+			_, err = listenUpgradable(t, transport{network: "tcp"}, "127.0.0.1:0", usock, cfg)
+			if !errors.Is(err, upgrade.ErrInProgress) || time.Since(start) > 10*time.Second {
+				break
+			}
+		}
 		require.ErrorContains(t, err, "not tcp")
 		serves(20)
 	})
