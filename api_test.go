@@ -126,3 +126,34 @@ func requireDirEmpty(t *testing.T, dir string) {
 	require.NoError(t, err)
 	require.Empty(t, ents)
 }
+
+// The zero-copy calls with one import and no type assertion (#15):
+// Dialer.DialStream and Listener.AcceptStream return *Stream, and the
+// root package names the errors and types a user touches.
+func TestZeroCopyOneImport(t *testing.T) {
+	ln, cfg := listen(t, "unix")
+	d := &shmlink.Dialer{Config: cfg}
+	defer d.Close()
+	c, err := d.DialStream(context.Background(), "unix", ln.Addr().String())
+	require.NoError(t, err)
+	s, err := ln.AcceptStream()
+	require.NoError(t, err)
+	b, err := c.Reserve(5)
+	require.NoError(t, err)
+	copy(b, "hello")
+	require.NoError(t, c.Flush())
+	got, err := s.Peek(5)
+	require.NoError(t, err)
+	require.Equal(t, "hello", string(got))
+	_, err = s.Discard(5)
+	require.NoError(t, err)
+	s.ReleasePreviousRead()
+	require.NoError(t, c.Close())
+
+	_, err = c.Write([]byte("x"))
+	require.ErrorIs(t, err, shmlink.ErrStreamClosed)
+	var ce *shmlink.ConfigError
+	_, err = (&shmlink.Dialer{Config: &shmlink.Config{BufferSize: -1}}).DialStream(context.Background(), "unix", ln.Addr().String())
+	require.ErrorAs(t, err, &ce)
+	require.Equal(t, "BufferSize", ce.Field)
+}

@@ -1,6 +1,9 @@
 package shmlink
 
-import "github.com/shmlink/shmlink/session"
+import (
+	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/session"
+)
 
 // Config tunes sessions; the zero value works. See session.Config for the
 // fields, their units and defaults.
@@ -15,3 +18,12 @@ const (
 	MemoryMemfd = session.MemoryMemfd
 	MemoryFile  = session.MemoryFile
 )
+
+// SizeClass is one class of slices of the buffer region, for
+// Config.SizeClasses (buffer.SizeClass): slice size in bytes and the
+// percentage of the region it gets.
+type SizeClass = buffer.SizeClass
+
+// Stats holds a session's counters (session.Stats), from
+// Stream.Session().Stats().
+type Stats = session.Stats

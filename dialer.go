@@ -193,6 +193,17 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 // net.ErrClosed) after Close, ctx.Err() when ctx is done first, and the
 // dial or handshake error.
 func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
+	st, err := d.DialStream(ctx, network, address)
+	if err != nil {
+		return nil, err // an untyped nil
+	}
+	return st, nil
+}
+
+// DialStream is DialContext returning the *Stream, whose zero-copy calls
+// (Reserve, Peek, ReadBytes, ReadChunk) then need no type assertion. It
+// returns the errors DialContext returns.
+func (d *Dialer) DialStream(ctx context.Context, network, address string) (*Stream, error) {
 	if err := checkNetwork(network); err != nil {
 		return nil, err
 	}

@@ -91,9 +91,9 @@ func TestDialerReplacesDeadSession(t *testing.T) {
 	ln, cfg := listen(t, "unix")
 	d := &shmlink.Dialer{Config: cfg}
 	defer d.Close()
-	c, err := d.Dial("unix", ln.Addr().String())
+	c, err := d.DialStream(t.Context(), "unix", ln.Addr().String())
 	require.NoError(t, err)
-	s := c.(*shmlink.Stream).Session()
+	s := c.Session()
 	ln.CloseSessions()
 	<-s.Done()
 	lc := shmlink.ListenConfig{Config: cfg}
@@ -101,9 +101,9 @@ func TestDialerReplacesDeadSession(t *testing.T) {
 	require.NoError(t, err)
 	defer ln2.Close()
 	defer serveEcho(ln2, 1)()
-	c2, err := d.Dial("unix", ln.Addr().String())
+	c2, err := d.DialStream(t.Context(), "unix", ln.Addr().String())
 	require.NoError(t, err)
-	require.NotSame(t, s, c2.(*shmlink.Stream).Session())
+	require.NotSame(t, s, c2.Session())
 	require.Equal(t, 1, d.NumSessions())
 	_, err = c2.Write([]byte("hi"))
 	require.NoError(t, err)

@@ -6,6 +6,7 @@ import (
 	"net"
 
 	"github.com/shmlink/shmlink/internal/upgrade"
+	"github.com/shmlink/shmlink/session"
 )
 
 var (
@@ -33,6 +34,30 @@ var (
 	// (see Listener.Upgraded). It satisfies errors.Is(err, net.ErrClosed).
 	ErrUpgraded = fmt.Errorf("shmlink: listener handed over to a new process: %w", net.ErrClosed)
 
+	// The errors of sessions and streams, from package session, so that a
+	// user of this package needs no other: see there for when each is
+	// returned.
+	ErrSessionClosed = session.ErrSessionClosed // errors.Is(err, net.ErrClosed)
+	ErrStreamClosed  = session.ErrStreamClosed  // errors.Is(err, net.ErrClosed)
+	ErrWriteClosed   = session.ErrWriteClosed   // errors.Is(err, net.ErrClosed)
+	ErrPeerClosed    = session.ErrPeerClosed    // errors.Is(err, syscall.ECONNRESET)
+	ErrQueueFull     = session.ErrQueueFull
+	ErrHandshake     = session.ErrHandshake
+	ErrProtocol      = session.ErrProtocol
+	ErrPeerRefused   = session.ErrPeerRefused
+	ErrPathRefused   = session.ErrPathRefused
+
 	// errDialerClosed is returned by a Dialer's dials after Close.
 	errDialerClosed = fmt.Errorf("shmlink: dialer closed: %w", net.ErrClosed)
 )
+
+// ConfigError reports a rejected configuration field (session.ConfigError).
+type ConfigError = session.ConfigError
+
+// SessionError is the error a session ended with when the peer or the
+// control connection failed (session.SessionError).
+type SessionError = session.SessionError
+
+// PeerError reports a peer refused by Config.AllowUIDs or PeerCheck, with
+// its credentials (session.PeerError).
+type PeerError = session.PeerError

@@ -208,6 +208,17 @@ func (l *Listener) Addr() net.Addr { return l.ln.Addr() }
 // handed over to a new process and drained, and the underlying listener's
 // error if that failed.
 func (l *Listener) Accept() (net.Conn, error) {
+	st, err := l.AcceptStream()
+	if err != nil {
+		return nil, err // an untyped nil
+	}
+	return st, nil
+}
+
+// AcceptStream is Accept returning the *Stream, whose zero-copy calls
+// (Reserve, Peek, ReadBytes, ReadChunk) then need no type assertion. It
+// returns the errors Accept returns.
+func (l *Listener) AcceptStream() (*Stream, error) {
 	select {
 	case <-l.ctx.Done():
 	default:

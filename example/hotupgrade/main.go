@@ -359,7 +359,7 @@ func report(requests []request, windows [][2]time.Time) (errs int) {
 // pattern derived from seed while reading the echo, checks every byte and
 // then the server's EOF.
 func exchange(d *shmlink.Dialer, sock string, n int, seed uint64) error {
-	c, err := d.Dial("unix", sock)
+	c, err := d.DialStream(context.Background(), "unix", sock)
 	if err != nil {
 		return err
 	}
@@ -375,7 +375,7 @@ func exchange(d *shmlink.Dialer, sock string, n int, seed uint64) error {
 				return
 			}
 		}
-		werr <- c.(*shmlink.Stream).CloseWrite()
+		werr <- c.CloseWrite()
 	}()
 	buf := make([]byte, 64<<10)
 	want := make([]byte, len(buf))
