@@ -88,6 +88,15 @@ func (w *ChainWriter) Reserve(n int) ([]byte, error) {
 	return b, nil
 }
 
+// Unreserve gives back the last k bytes of the last Reserve, left
+// unfilled: they are not part of the message. k must be at most that
+// Reserve's n; a larger k is cut to the bytes of the last slice.
+func (w *ChainWriter) Unreserve(k int) {
+	k = max(0, min(k, w.used))
+	w.used -= k
+	w.size -= k
+}
+
 // grow allocates a slice for want more bytes (see Region.alloc for down),
 // closes the current last slice and links it to the new one.
 func (w *ChainWriter) grow(want int, down bool) error {

@@ -17,7 +17,7 @@ import (
 )
 
 // socketPair returns two connected Unix stream sockets.
-func socketPair(t *testing.T) (*net.UnixConn, *net.UnixConn) {
+func socketPair(t testing.TB) (*net.UnixConn, *net.UnixConn) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	require.NoError(t, err)
 	conns := make([]*net.UnixConn, 2)

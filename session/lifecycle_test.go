@@ -11,7 +11,7 @@ import (
 )
 
 // accept returns the server's next stream, failing the test after 5 s.
-func accept(t *testing.T, server *Session) *Stream {
+func accept(t testing.TB, server *Session) *Stream {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()

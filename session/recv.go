@@ -792,6 +792,36 @@ func (st *Stream) ReadChunk(max int) (b []byte, err error) {
 	return b, nil
 }
 
+// WriteTo writes what arrives on the stream to w until the peer's
+// io.EOF or an error: io.Copy(w, stream) uses it. Each slice of shared
+// memory goes to w.Write as it is (zero copy on our side), and is
+// released once w.Write returns: w must not keep the bytes. It returns the
+// bytes written and nil at the stream's io.EOF, Read's other errors, w's
+// error, or io.ErrShortWrite.
+func (st *Stream) WriteTo(w io.Writer) (int64, error) {
+	var n int64
+	for {
+		b, err := st.ReadChunk(maxEventBytes)
+		if len(b) > 0 {
+			k, werr := w.Write(b)
+			st.ReleasePreviousRead()
+			n += int64(k)
+			switch {
+			case werr != nil:
+				return n, werr
+			case k < len(b):
+				return n, io.ErrShortWrite
+			}
+		}
+		if err == io.EOF {
+			return n, nil
+		}
+		if err != nil {
+			return n, err
+		}
+	}
+}
+
 // Discard skips the next n bytes, waiting until they have arrived, and
 // returns how many it skipped: fewer than n only with an error (io.EOF if
 // the peer closed first, or Read's errors).

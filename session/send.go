@@ -3,6 +3,7 @@ package session
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
 	"runtime"
 	"time"
@@ -201,6 +202,11 @@ func (s *Session) MaxSliceSize() int {
 func (st *Stream) Reserve(n int) ([]byte, error) {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
+	return st.reserveLocked(n)
+}
+
+// reserveLocked is Reserve; the caller holds wmu.
+func (st *Stream) reserveLocked(n int) ([]byte, error) {
 	if err := st.writeCheck(); err != nil {
 		return nil, err
 	}
@@ -458,4 +464,57 @@ func (s *Session) writeFallback(id uint32, data []byte, poll bool, wdl *deadline
 	s.ctr.fallbackWrites.Add(1)
 	s.ctr.bytesSent.Add(uint64(len(data)))
 	return nil
+}
+
+// unreserveLocked gives back the last k bytes of the last reservation,
+// left unfilled. The caller holds wmu and reserved nothing after it.
+func (st *Stream) unreserveLocked(k int) {
+	switch {
+	case k <= 0:
+	case len(st.pending) > 0: // the reservation went to the heap
+		st.pending = st.pending[:len(st.pending)-k]
+	default:
+		st.w.Unreserve(k)
+		if st.w.Len() == 0 { // nothing left: free the slice, or it leaks
+			st.s.withMem(func(*memory) error { return st.w.Abort() })
+			st.w = buffer.ChainWriter{}
+		}
+	}
+}
+
+// ReadFrom reads from r until io.EOF or an error and sends what it reads,
+// each read as it comes: io.Copy(stream, r) uses it. r reads straight into
+// slices of shared memory, one copy less than Write from a buffer. It
+// returns the bytes sent, and nil at r's io.EOF, r's other errors, or
+// Write's. It holds the stream's write side meanwhile, as a TCPConn's
+// ReadFrom does: other writes wait, and the write deadline applies while
+// it waits for shared memory, not while r.Read blocks.
+func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
+	st.wmu.Lock()
+	defer st.wmu.Unlock()
+	if err := st.flushLocked(); err != nil {
+		return 0, err
+	}
+	size := min(maxEventBytes, max(st.s.MaxSliceSize(), 1))
+	var n int64
+	for {
+		b, err := st.reserveLocked(size)
+		if err != nil {
+			return n, err
+		}
+		k, rerr := r.Read(b)
+		st.unreserveLocked(size - k)
+		if k > 0 {
+			if err := st.flushLocked(); err != nil {
+				return n, err
+			}
+			n += int64(k)
+		}
+		if rerr == io.EOF {
+			return n, nil
+		}
+		if rerr != nil {
+			return n, rerr
+		}
+	}
 }

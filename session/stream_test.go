@@ -20,13 +20,13 @@ import (
 
 // pair returns a connected client and server session in this process, over
 // a Unix socketpair with memfds (v3), closed when the test ends.
-func pair(t *testing.T, cfg *Config) (client, server *Session) {
+func pair(t testing.TB, cfg *Config) (client, server *Session) {
 	t.Helper()
 	return pairWith(t, cfg, cfg)
 }
 
 // pairWith is pair with a Config for each side.
-func pairWith(t *testing.T, ccfg, scfg *Config) (client, server *Session) {
+func pairWith(t testing.TB, ccfg, scfg *Config) (client, server *Session) {
 	t.Helper()
 	cc, sc := socketPair(t)
 	type result struct {
@@ -51,7 +51,7 @@ func pairWith(t *testing.T, ccfg, scfg *Config) (client, server *Session) {
 
 // streamPair opens a stream on client and accepts it on server; the first
 // write announces it, so it writes and reads one byte.
-func streamPair(t *testing.T, client, server *Session) (*Stream, *Stream) {
+func streamPair(t testing.TB, client, server *Session) (*Stream, *Stream) {
 	t.Helper()
 	ctx := context.Background()
 	c, err := client.OpenStream(ctx)

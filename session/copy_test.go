@@ -1,0 +1,105 @@
+package session
+
+import (
+	"bytes"
+	"errors"
+	"hash/crc32"
+	"io"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// oddReader returns data in reads of varying sizes, some of them empty,
+// and hides any WriterTo, so that io.Copy calls the stream's ReadFrom.
+type oddReader struct {
+	data []byte
+	i    int
+}
+
+func (r *oddReader) Read(p []byte) (int, error) {
+	r.i++
+	if len(r.data) == 0 {
+		return 0, io.EOF
+	}
+	if r.i%5 == 0 {
+		return 0, nil // allowed, and must send nothing
+	}
+	n := copy(p[:min(len(p), 1+r.i*7919%(70<<10))], r.data)
+	r.data = r.data[n:]
+	return n, nil
+}
+
+// crcWriter checks what it is given and keeps no reference to it: what
+// WriteTo hands it is shared memory, released once Write returns.
+type crcWriter struct {
+	n   int
+	sum uint32
+}
+
+func (w *crcWriter) Write(p []byte) (int, error) {
+	w.n += len(p)
+	w.sum = crc32.Update(w.sum, crc32.IEEETable, p)
+	return len(p), nil
+}
+
+// io.Copy into a stream goes through ReadFrom, reading straight into
+// shared memory, and out of one through WriteTo, writing the slices as
+// they are (#15); every byte arrives in order, and no slice is left in
+// use. With a tiny region and Fallback, reservations also go to the heap.
+func TestIOCopyReadFromWriteTo(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  *Config
+	}{
+		{"default", nil},
+		{"tiny-fallback", &Config{BufferSize: 64 << 10, SizeClasses: tinyConfig().SizeClasses, Fallback: true}},
+		{"tiny-backpressure", tinyConfig()},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			client, server := pair(t, tc.cfg)
+			c, s := streamPair(t, client, server)
+			data := randomBytes(3<<20+17, 7)
+			sent := make(chan error, 1)
+			go func() {
+				n, err := io.Copy(c, &oddReader{data: data})
+				if err == nil && n != int64(len(data)) {
+					err = errors.New("short copy")
+				}
+				if err == nil {
+					err = c.CloseWrite()
+				}
+				sent <- err
+			}()
+			var w crcWriter
+			n, err := io.Copy(&w, s)
+			require.NoError(t, err)
+			require.NoError(t, <-sent)
+			require.EqualValues(t, len(data), n)
+			require.Equal(t, crc32.ChecksumIEEE(data), w.sum)
+			require.NoError(t, c.Close())
+			require.NoError(t, s.Close())
+			eventually(t, func() bool { return sum(client.Stats().SlicesInUse) == 0 }, "every slice freed")
+		})
+	}
+}
+
+// WriteTo stops at the writer's error and at a short write.
+func TestWriteToWriterErrors(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+	_, err := c.Write(bytes.Repeat([]byte("x"), 100))
+	require.NoError(t, err)
+	boom := errors.New("boom")
+	n, err := s.WriteTo(writerFunc(func(p []byte) (int, error) { return 3, boom }))
+	require.ErrorIs(t, err, boom)
+	require.EqualValues(t, 3, n)
+	_, err = c.Write([]byte("y"))
+	require.NoError(t, err)
+	_, err = s.WriteTo(writerFunc(func(p []byte) (int, error) { return 0, nil }))
+	require.ErrorIs(t, err, io.ErrShortWrite)
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
