@@ -635,7 +635,11 @@ func (sd *soakSide) read() error {
 			continue
 		case err == io.EOF:
 			sd.in.eof = true
-			if n, err := sd.conn.Read(buf[:1]); n != 0 || err != io.EOF {
+			n, err := sd.conn.Read(buf[:1])
+			if errors.Is(err, net.ErrClosed) && sd.closing.Load() {
+				return nil // this side's abort closed the stream meanwhile
+			}
+			if n != 0 || err != io.EOF {
 				return fmt.Errorf("read after EOF at %d: %d, %v", sd.in.read, n, err)
 			}
 			return nil

@@ -34,7 +34,7 @@ type mode struct {
 var modes = []mode{
 	{"unix-memfd", "unix", shmlink.MemoryMemfd, "memfd", 3, 3},
 	{"unix-file", "unix", shmlink.MemoryFile, "file", 3, 2},
-	{"tcp-file", "tcp", shmlink.MemoryFile, "file", 2, 2},
+	{"tcp-file", "tcp", shmlink.MemoryFile, "file", 3, 2},
 }
 
 // fallback is what a case expects of FallbackData.
