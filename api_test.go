@@ -2,6 +2,7 @@ package shmlink_test
 
 import (
 	"context"
+	"io"
 	"net"
 	"os"
 	"path/filepath"
@@ -156,4 +157,41 @@ func TestZeroCopyOneImport(t *testing.T) {
 	_, err = (&shmlink.Dialer{Config: &shmlink.Config{BufferSize: -1}}).DialStream(context.Background(), "unix", ln.Addr().String())
 	require.ErrorAs(t, err, &ce)
 	require.Equal(t, "BufferSize", ce.Field)
+}
+
+// Listener.Stats and Dialer.Stats sum the counters of all their sessions,
+// live and ended (#15: stats were per session only).
+func TestListenerDialerStats(t *testing.T) {
+	ln, cfg := listen(t, "unix")
+	defer serveEcho(ln, 4)()
+	d := &shmlink.Dialer{Config: cfg, StreamsPerSession: 1, MaxSessions: 2}
+	defer d.Close()
+	const streams, size = 4, 1000
+	var conns []net.Conn
+	for range streams { // open at once: they spread over two sessions
+		c, err := d.Dial("unix", ln.Addr().String())
+		require.NoError(t, err)
+		conns = append(conns, c)
+	}
+	require.Equal(t, 2, d.NumSessions())
+	for _, c := range conns {
+		_, err := c.Write(make([]byte, size))
+		require.NoError(t, err)
+		_, err = io.ReadFull(c, make([]byte, size))
+		require.NoError(t, err)
+		require.NoError(t, c.Close())
+	}
+	ds := d.Stats()
+	require.EqualValues(t, streams*size, ds.BytesSent)
+	require.EqualValues(t, streams*size, ds.BytesReceived)
+	require.Nil(t, ds.SlicesInUse)
+	require.Eventually(t, func() bool { return ln.Stats().BytesSent == streams*size }, 10*time.Second, time.Millisecond,
+		"the server's echoes are counted")
+	require.EqualValues(t, streams*size, ln.Stats().BytesReceived)
+
+	require.NoError(t, d.Close()) // the sessions end; their counts stay
+	require.Eventually(t, func() bool { return ln.NumSessions() == 0 }, 10*time.Second, time.Millisecond)
+	require.EqualValues(t, streams*size, ln.Stats().BytesReceived)
+	require.Eventually(t, func() bool { return d.Stats().BytesSent == streams*size && d.Stats().ActiveStreams == 0 },
+		10*time.Second, time.Millisecond)
 }

@@ -120,6 +120,8 @@ type Dialer struct {
 	mu     sync.Mutex
 	pools  map[string]*sessionPool // by network + " " + address
 	closed bool
+	live   map[*session.Session]struct{} // every session until it ends
+	ended  Stats                         // the counters of the sessions that ended
 }
 
 // sessionPool is a Dialer's sessions to one address.
@@ -291,6 +293,7 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 		default:
 			s.SetIdleTimeout(cmp.Or(d.IdleTimeout, defaultIdleTimeout))
 			p.sessions = append(p.sessions, s)
+			d.track(s)
 		}
 		if len(p.sessions) == 0 && len(p.draining) == 0 && d.pools[key] == p {
 			delete(d.pools, key)
@@ -327,6 +330,32 @@ func (d *Dialer) Close() error {
 		}
 	}
 	return nil
+}
+
+// track counts s in the Dialer's Stats until it ends, and its final
+// counters after. The caller holds d.mu.
+func (d *Dialer) track(s *session.Session) {
+	if d.live == nil {
+		d.live = make(map[*session.Session]struct{})
+	}
+	d.live[s] = struct{}{}
+	go func() {
+		<-s.Done()
+		d.mu.Lock()
+		delete(d.live, s)
+		addStats(&d.ended, s.Stats())
+		d.mu.Unlock()
+	}()
+}
+
+// Stats returns the counters of every session the Dialer dialed, live and
+// ended, summed over all addresses; ActiveStreams counts the streams of
+// the live ones, and SlicesInUse is nil (each session has a region of its
+// own).
+func (d *Dialer) Stats() Stats {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return sumStats(d.ended, d.live)
 }
 
 // NumSessions returns the number of live sessions the Dialer holds, over

@@ -2,6 +2,8 @@ package shmlink_test
 
 import (
 	"context"
+	"encoding/json"
+	"expvar"
 	"fmt"
 	"io"
 	"log"
@@ -196,4 +198,38 @@ func ExampleStream_Reserve() {
 	fmt.Println(string(got))
 	s.ReleasePreviousRead()
 	// Output: zero!
+}
+
+// The counters of all the listener's sessions, published with expvar
+// (the standard library) so that /debug/vars shows them; a Dialer has
+// Stats too.
+func ExampleListener_Stats() {
+	dir, err := os.MkdirTemp("", "shmlink-example-")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	var lc shmlink.ListenConfig
+	ln, err := lc.Listen(context.Background(), "unix", filepath.Join(dir, "s.sock"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer ln.Close()
+	expvar.Publish("shmlink_example_listener", expvar.Func(func() any { return ln.Stats() }))
+
+	c, err := shmlink.Dial("unix", ln.Addr().String())
+	if err != nil {
+		log.Fatal(err)
+	}
+	s, err := ln.Accept()
+	if err != nil {
+		log.Fatal(err)
+	}
+	io.WriteString(c, "twelve bytes")
+	io.ReadFull(s, make([]byte, 12))
+
+	var stats shmlink.Stats // what /debug/vars would show, as JSON
+	json.Unmarshal([]byte(expvar.Get("shmlink_example_listener").String()), &stats)
+	fmt.Println("bytes received:", stats.BytesReceived, "streams:", stats.ActiveStreams)
+	// Output: bytes received: 12 streams: 1
 }

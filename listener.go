@@ -167,6 +167,7 @@ type Listener struct {
 
 	mu       sync.Mutex
 	sessions map[*session.Session]struct{}
+	ended    Stats // the counters of the sessions that ended
 	err      error  // why Accept fails, if not Close: the socket's error, or ErrUpgraded
 	handedTo uint64 // the new process's epoch once the socket was handed over, else 0
 
@@ -329,6 +330,16 @@ func (l *Listener) closeSessions() int {
 	return len(sessions)
 }
 
+// Stats returns the counters of every session the listener accepted,
+// live and ended, summed; ActiveStreams counts the streams of the live
+// ones, and SlicesInUse is nil (each session has a region of its own).
+// Publish it with expvar.Func for a /debug/vars page (see the example).
+func (l *Listener) Stats() Stats {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return sumStats(l.ended, l.sessions)
+}
+
 // NumSessions returns the number of live sessions the listener tracks.
 func (l *Listener) NumSessions() int {
 	l.mu.Lock()
@@ -409,6 +420,7 @@ func (l *Listener) serve(conn net.Conn) {
 	defer func() {
 		l.mu.Lock()
 		delete(l.sessions, s)
+		addStats(&l.ended, s.Stats())
 		l.mu.Unlock()
 	}()
 	for {

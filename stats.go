@@ -1,0 +1,32 @@
+package shmlink
+
+import "github.com/shmlink/shmlink/session"
+
+// addStats adds the counters of s to t, ActiveStreams included. It leaves
+// SlicesInUse alone: the regions of different sessions have different
+// lists.
+func addStats(t *Stats, s session.Stats) {
+	t.BytesSent += s.BytesSent
+	t.BytesReceived += s.BytesReceived
+	t.EventsSent += s.EventsSent
+	t.EventsReceived += s.EventsReceived
+	t.WakeupsSent += s.WakeupsSent
+	t.WakeupsReceived += s.WakeupsReceived
+	t.FallbackWrites += s.FallbackWrites
+	t.FallbackReads += s.FallbackReads
+	t.QueueFull += s.QueueFull
+	t.MemoryFull += s.MemoryFull
+	t.Spilled += s.Spilled
+	t.StreamsRefused += s.StreamsRefused
+	t.AcksIgnored += s.AcksIgnored
+	t.ActiveStreams += s.ActiveStreams
+}
+
+// sumStats returns ended plus the counters of every session in live.
+func sumStats(ended Stats, live map[*session.Session]struct{}) Stats {
+	t := ended
+	for s := range live {
+		addStats(&t, s.Stats())
+	}
+	return t
+}
