@@ -167,7 +167,7 @@ type Listener struct {
 
 	mu       sync.Mutex
 	sessions map[*session.Session]struct{}
-	ended    Stats // the counters of the sessions that ended
+	ended    Stats  // the counters of the sessions that ended
 	err      error  // why Accept fails, if not Close: the socket's error, or ErrUpgraded
 	handedTo uint64 // the new process's epoch once the socket was handed over, else 0
 
