@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/stretchr/testify/require"
 )
 
@@ -194,4 +195,24 @@ func TestListenerDialerStats(t *testing.T) {
 	require.EqualValues(t, streams*size, ln.Stats().BytesReceived)
 	require.Eventually(t, func() bool { return d.Stats().BytesSent == streams*size && d.Stats().ActiveStreams == 0 },
 		10*time.Second, time.Millisecond)
+}
+
+// A client with Config.KeepAlive notices a server process that froze
+// (SIGSTOP): a Read with no deadline fails within about twice KeepAlive,
+// with an error naming it (#15: a frozen peer was noticed only through
+// deadlines).
+func TestKeepAliveStoppedServer(t *testing.T) {
+	proc, addr, dir := startServerPeerWith(t, "unix", nil)
+	d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: dir, KeepAlive: 100 * time.Millisecond}}
+	defer d.Close()
+	c, err := d.Dial("unix", addr)
+	require.NoError(t, err)
+	command(t, c, peertest.CmdEcho, 0)
+	require.NoError(t, peertest.Echo(c, 1000, 1))
+	require.NoError(t, proc.Signal(syscall.SIGSTOP))
+	defer proc.Signal(syscall.SIGCONT) // so that the test's end can stop it
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(time.Minute))) // a safety net only
+	_, err = c.Read(make([]byte, 1))
+	require.ErrorContains(t, err, "KeepAlive")
+	require.NotErrorIs(t, err, os.ErrDeadlineExceeded)
 }

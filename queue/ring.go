@@ -120,6 +120,12 @@ func checkMemory(mem []byte, cap uint32) error {
 	return nil
 }
 
+// Head returns the ring's head counter: how many events its consumer has
+// popped since the ring was formatted (docs/protocol.md section 3.1). The
+// consumer may be the peer, which writes it; it is read atomically and
+// not checked.
+func (r *Ring) Head() int64 { return r.head.Load() }
+
 // CheckFormat reports whether FormatPair accepts a queue of cap events
 // per half, without any memory (docs/protocol.md section 3.1): nil, or
 // FormatPair's error about cap, which must be 1 to MaxCap and place the

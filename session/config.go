@@ -151,6 +151,18 @@ type Config struct {
 	// deadline, the stream's or session's end, or free slices.
 	Fallback bool
 
+	// KeepAlive, if positive, makes the session check that its peer still
+	// answers whenever it has heard nothing from it for KeepAlive: it puts
+	// a probe on the IO queue (the close of stream 0, which no stream
+	// uses) with a Polling, and ends the session, with an error that names
+	// KeepAlive, when the peer has taken no event of its queue by the next
+	// check. A peer that froze (stopped, deadlocked) is so noticed within
+	// about twice KeepAlive, also by streams that wait for it with no
+	// deadline (docs/protocol.md section 13). Zero, the default, turns it
+	// off; negative is invalid. Other shmipc peers ignore the probe but
+	// may log it.
+	KeepAlive time.Duration
+
 	// PollTime is how long a reader waiting for data keeps polling the
 	// receive queue in shared memory, after the last event it saw, before
 	// it sleeps until the peer's wakeup message. While it polls, the peer
@@ -251,6 +263,8 @@ func (c *Config) Validate() error {
 		return &ConfigError{Field: "WriteTimeout", Reason: "negative"}
 	case c.QueueFullTimeout < 0:
 		return &ConfigError{Field: "QueueFullTimeout", Reason: "negative"}
+	case c.KeepAlive < 0:
+		return &ConfigError{Field: "KeepAlive", Reason: "negative"}
 	case c.PollTime > time.Duration(maxPollTime.Load()):
 		return &ConfigError{Field: "PollTime", Reason: fmt.Sprintf("above %v: a poller keeps a core busy that long", time.Duration(maxPollTime.Load()))}
 	}

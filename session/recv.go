@@ -103,6 +103,7 @@ func (s *Session) recvLoop() {
 			s.readFailed(err)
 			return
 		}
+		s.ka.heard.Add(1)
 		if err := s.handle(h, payload); err != nil {
 			s.failOp("read "+h.Type.String(), err)
 			return

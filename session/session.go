@@ -37,6 +37,7 @@ type Session struct {
 	err  error       // why the session ended; set once
 	idle idleState
 	hr   hotRestart // hot-restart state (hotrestart.go)
+	ka   keepAlive  // Config.KeepAlive's checks (keepalive.go)
 
 	dead        chan struct{} // closed when the session ends, for any reason
 	closeOnce   sync.Once     // runs fail's ending once
@@ -161,6 +162,7 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 	s.shm.init(mem, &c)
 	c.Logger.Debug("shmlink: session started", "client", isClient, "version", version,
 		"remote", conn.RemoteAddr(), "buffer", len(mem.bufMem), "queue", len(mem.queueMem))
+	s.startKeepAlive()
 	go s.recvLoop()
 	return s, nil
 }
@@ -386,6 +388,7 @@ func (s *Session) fail(err error) {
 		}
 		s.mu.Unlock()
 		s.rx.leaseTimer.Stop()
+		s.stopKeepAlive()
 		switch {
 		case errors.Is(err, ErrProtocol) || errors.Is(err, buffer.ErrCorrupt) || errors.Is(err, queue.ErrCorrupt):
 			s.cfg.Logger.Warn("shmlink: session ended", "remote", s.conn.RemoteAddr(), "err", err)
