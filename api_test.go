@@ -210,7 +210,7 @@ func TestKeepAliveStoppedServer(t *testing.T) {
 	command(t, c, peertest.CmdEcho, 0)
 	require.NoError(t, peertest.Echo(c, 1000, 1))
 	require.NoError(t, proc.Signal(syscall.SIGSTOP))
-	defer proc.Signal(syscall.SIGCONT) // so that the test's end can stop it
+	defer proc.Signal(syscall.SIGCONT)                                 // so that the test's end can stop it
 	require.NoError(t, c.SetReadDeadline(time.Now().Add(time.Minute))) // a safety net only
 	_, err = c.Read(make([]byte, 1))
 	require.ErrorContains(t, err, "KeepAlive")
