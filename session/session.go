@@ -351,11 +351,14 @@ func (s *Session) liveStreams() []*Stream {
 // connection is closed and the shared memory unmapped (and its files
 // removed). Slices returned by zero-copy reads become invalid. Close waits
 // for the session's goroutine and returns nil, also when the session had
-// already ended by itself; later calls return ErrSessionClosed.
+// already ended by itself; later calls return ErrSessionClosed. Before
+// it closes the connection it gives the peer a bounded chance (until
+// min(HandshakeTimeout, 1 s)) to take the events still queued.
 func (s *Session) Close() error {
 	if s.closeCalled.Swap(true) {
 		return ErrSessionClosed
 	}
+	s.drainSend()
 	s.fail(ErrSessionClosed)
 	s.mu.Lock()
 	s.tab.accepts = nil
@@ -371,6 +374,34 @@ func (s *Session) Close() error {
 	s.ctl.flushers.Wait()
 	s.unmapIfUnused()
 	return nil
+}
+
+// drainSend gives the peer a bounded chance, until the send queue is
+// empty or for at most min(HandshakeTimeout, 1 s), to take the events
+// still queued before Close closes the connection: a shmipc-go peer acts
+// on the connection's end before it reads the events queued before it,
+// and would lose a stream's last data and close (docs/protocol.md section
+// 8). It returns at once when the session has ended.
+func (s *Session) drainSend() {
+	limit := time.Now().Add(min(s.cfg.HandshakeTimeout, time.Second))
+	var tick *time.Ticker
+	for s.Err() == nil {
+		var empty bool
+		if s.withMem(func(m *memory) error { empty = m.send.Empty(); return nil }) != nil || empty {
+			break
+		}
+		if time.Now().After(limit) {
+			break
+		}
+		if tick == nil {
+			tick = time.NewTicker(time.Millisecond) // the peer's harvest sends us nothing
+			defer tick.Stop()
+		}
+		select {
+		case <-s.dead:
+		case <-tick.C:
+		}
+	}
 }
 
 // fail ends the session with err (the first error wins): the control

@@ -1,0 +1,141 @@
+package session
+
+import (
+	"errors"
+	"io"
+	"net"
+	"testing"
+
+	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/internal/wire"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// goServerDouble plays a server that behaves like shmipc-go's where
+// shmlink must care (#18): it harvests its receive queue when a Polling
+// arrives, but acts on the connection's end first when that is already
+// there, dropping the events still queued. It records what it harvested.
+type goServerDouble struct {
+	mem     *memory
+	conn    *net.UnixConn
+	data    map[uint32][]byte // bytes harvested per stream
+	closed  map[uint32]bool   // closes harvested
+	dropped bool              // it saw the end with events still queued
+}
+
+// startGoServerDouble runs the double's handshake on conn and returns it;
+// run serves it until the connection ends.
+func startGoServerDouble(t *testing.T, conn *net.UnixConn) *goServerDouble {
+	cfg := (&Config{}).withDefaults()
+	mem, _, err := serverHandshake(conn, &cfg)
+	require.NoError(t, err)
+	t.Cleanup(mem.release)
+	return &goServerDouble{mem: mem, conn: conn, data: map[uint32][]byte{}, closed: map[uint32]bool{}}
+}
+
+// eofPending reports whether the peer's end of the connection is already
+// readable as the end, with nothing before it.
+func (g *goServerDouble) eofPending() bool {
+	raw, _ := g.conn.SyscallConn()
+	eof := false
+	raw.Control(func(fd uintptr) {
+		var b [1]byte
+		n, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		eof = n == 0 && err == nil
+	})
+	return eof
+}
+
+func (g *goServerDouble) run() error {
+	var hdr [wire.HeaderSize]byte
+	for {
+		if _, err := io.ReadFull(g.conn, hdr[:]); err != nil {
+			g.dropped = !g.mem.recv.Empty()
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return err
+		}
+		h, err := wire.ParseHeader(hdr[:], 1<<20)
+		if err != nil {
+			return err
+		}
+		if _, err := io.CopyN(io.Discard, g.conn, int64(h.Length)-wire.HeaderSize); err != nil {
+			return err
+		}
+		if h.Type != wire.TypePolling {
+			continue
+		}
+		if g.eofPending() { // the end is there: shmipc-go acts on it first
+			g.dropped = !g.mem.recv.Empty()
+			return nil
+		}
+		for {
+			ev, ok, err := g.mem.recv.Pop()
+			if err != nil {
+				return err
+			}
+			if !ok {
+				// Done: clear the working flag, so that the client's
+				// next event comes with a Polling, and look once more.
+				g.mem.recv.ClearWorking()
+				if g.mem.recv.Empty() {
+					break
+				}
+				continue
+			}
+			if ev.Offset != 0 {
+				var cr buffer.ChainReader
+				if err := cr.Reset(g.mem.region, ev.Offset); err != nil {
+					return err
+				}
+				for {
+					p, _, err := cr.Next()
+					if err == io.EOF {
+						break
+					}
+					if err != nil {
+						return err
+					}
+					g.data[ev.StreamID] = append(g.data[ev.StreamID], p...)
+				}
+				g.mem.region.FreeChain(ev.Offset)
+			}
+			if ev.Status&0xff == stateClosed {
+				g.closed[ev.StreamID] = true
+			}
+		}
+	}
+}
+
+// A client that writes a stream, closes it and closes its session at once
+// lets a shmipc-go server take the data and the close before the
+// connection ends (#18: the server acted on the end first and read
+// "stream closed" instead of the data and EOF, 3 times in 18).
+func TestCloseDrainsForGoServer(t *testing.T) {
+	for i := range 20 {
+		cc, sc := socketPair(t)
+		served := make(chan error, 1)
+		var g *goServerDouble
+		ready := make(chan struct{})
+		go func() {
+			g = startGoServerDouble(t, sc)
+			close(ready)
+			served <- g.run()
+		}()
+		client, err := Client(cc, &Config{})
+		require.NoError(t, err)
+		<-ready
+		c, err := client.OpenStream(t.Context())
+		require.NoError(t, err)
+		_, err = c.Write([]byte("last request"))
+		require.NoError(t, err)
+		require.NoError(t, c.Close())
+		require.NoError(t, client.Close())
+		require.NoError(t, <-served)
+		require.False(t, g.dropped, "run %d: events left in the queue at the end", i)
+		require.Equal(t, "last request", string(g.data[c.ID()]), "run %d", i)
+		require.True(t, g.closed[c.ID()], "run %d: the close", i)
+	}
+}
