@@ -189,8 +189,9 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 // DialContext opens a stream to network ("unix" or "tcp") and address on
 // one of the Dialer's sessions, dialing and handshaking a new session when
 // the pool calls for one (see Dialer). Concurrent dials share one
-// handshake. The stream is announced to the server, whose Accept returns
-// it before any byte is written. It returns ErrNetwork for other networks,
+// handshake. A shmlink server's Accept returns the stream before any byte
+// is written (it is announced, docs/protocol.md section 11); other servers
+// see it at its first byte. It returns ErrNetwork for other networks,
 // a *ConfigError for a bad field, an error satisfying errors.Is(err,
 // net.ErrClosed) after Close, ctx.Err() when ctx is done first, and the
 // dial or handshake error.

@@ -274,7 +274,7 @@ func (c *Config) Validate() error {
 	// What the handshake makes of the rest: the region and the queue a
 	// client creates with these settings and the defaults.
 	d := c.withDefaults()
-	if err := buffer.CheckFormat(d.BufferSize, d.SizeClasses); err != nil {
+	if err := buffer.CheckFormat(d.BufferSize-markerSize, d.SizeClasses); err != nil {
 		field := "BufferSize"
 		if c.SizeClasses != nil {
 			field = "SizeClasses"

@@ -1,6 +1,7 @@
 package session
 
 import (
+	"encoding/binary"
 	"errors"
 	"io"
 	"net"
@@ -22,13 +23,14 @@ type goServerDouble struct {
 	data    map[uint32][]byte // bytes harvested per stream
 	closed  map[uint32]bool   // closes harvested
 	dropped bool              // it saw the end with events still queued
+	empties int               // events whose first slice held 0 bytes
 }
 
 // startGoServerDouble runs the double's handshake on conn and returns it;
 // run serves it until the connection ends.
 func startGoServerDouble(t *testing.T, conn *net.UnixConn) *goServerDouble {
 	cfg := (&Config{}).withDefaults()
-	mem, _, err := serverHandshake(conn, &cfg)
+	mem, _, err := serverHandshakeMarking(conn, &cfg, false) // no shmlink marker
 	require.NoError(t, err)
 	t.Cleanup(mem.release)
 	return &goServerDouble{mem: mem, conn: conn, data: map[uint32][]byte{}, closed: map[uint32]bool{}}
@@ -45,6 +47,29 @@ func (g *goServerDouble) eofPending() bool {
 		eof = n == 0 && err == nil
 	})
 	return eof
+}
+
+// followsEmptyFirst does what shmipc-go does with a chain whose first
+// slice at off holds 0 bytes (docs/protocol.md section 8, item 1): it
+// takes that slice's next field as the absolute offset of the next slice
+// without looking at flag 0x01, and appends that slice's bytes to the
+// stream. It reports false, doing nothing, for a first slice with bytes.
+func (g *goServerDouble) followsEmptyFirst(id, off uint32) bool {
+	b := g.mem.bufMem
+	word := func(at uint32) uint32 { return binary.NativeEndian.Uint32(b[at:]) }
+	if uint64(off)+20 > uint64(len(b)) || word(off+4) != 0 {
+		return false
+	}
+	g.empties++
+	next := word(off + 12)
+	g.mem.region.Free(off)
+	if uint64(next)+20 <= uint64(len(b)) {
+		size, start := word(next+4), word(next+8)
+		if end := uint64(next) + 20 + uint64(start) + uint64(size); size > 0 && end <= uint64(len(b)) {
+			g.data[id] = append(g.data[id], b[uint64(next)+20+uint64(start):end]...)
+		}
+	}
+	return true
 }
 
 func (g *goServerDouble) run() error {
@@ -85,7 +110,9 @@ func (g *goServerDouble) run() error {
 				}
 				continue
 			}
-			if ev.Offset != 0 {
+			if ev.Offset != 0 && g.followsEmptyFirst(ev.StreamID, ev.Offset) {
+				// shmipc-go's reading of an empty first slice (above).
+			} else if ev.Offset != 0 {
 				var cr buffer.ChainReader
 				if err := cr.Reset(g.mem.region, ev.Offset); err != nil {
 					return err
@@ -138,4 +165,51 @@ func TestCloseDrainsForGoServer(t *testing.T) {
 		require.Equal(t, "last request", string(g.data[c.ID()]), "run %d", i)
 		require.True(t, g.closed[c.ID()], "run %d: the close", i)
 	}
+}
+
+// A shmlink client sends no stream announcement to a server that did not
+// mark its region (shmipc-go's, the Rust crate's): such a server learns of
+// a stream at its first byte, as from its own clients (#18: shmipc-go
+// followed the empty slice's stale link, and the first bytes of every
+// stream arrived as zeros or garbage; five streams opened without a write
+// broke the next exchange). Against a shmlink server the announcement
+// stays (TestAnnounce...).
+func TestNoAnnouncementToGoServer(t *testing.T) {
+	cc, sc := socketPair(t)
+	served := make(chan error, 1)
+	var g *goServerDouble
+	ready := make(chan struct{})
+	go func() {
+		g = startGoServerDouble(t, sc)
+		close(ready)
+		served <- g.run()
+	}()
+	client, err := Client(cc, &Config{})
+	require.NoError(t, err)
+	<-ready
+	require.False(t, client.announces, "the double did not mark the region")
+	var idle []*Stream
+	for range 5 {
+		c, err := client.OpenStream(t.Context())
+		require.NoError(t, err)
+		idle = append(idle, c)
+	}
+	c, err := client.OpenStream(t.Context())
+	require.NoError(t, err)
+	_, err = c.Write([]byte("request"))
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
+	require.NoError(t, client.Close())
+	require.NoError(t, <-served)
+	require.Zero(t, g.empties, "events with an empty first slice, which shmipc-go misreads")
+	require.Equal(t, "request", string(g.data[c.ID()]))
+	for _, st := range idle {
+		require.Empty(t, g.data[st.ID()], "stream %d, never written", st.ID())
+	}
+}
+
+// A shmlink server marks the region; its client announces streams.
+func TestShmlinkServerMarksRegion(t *testing.T) {
+	client, _ := pair(t, nil)
+	require.True(t, client.announces)
 }

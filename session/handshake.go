@@ -32,6 +32,7 @@ type memory struct {
 	send, recv       *queue.Ring
 	remove           []string // file paths this side created and still has to unlink
 	sealed           bool     // the peer cannot shrink the memory (shm.SealShrink)
+	features         uint32   // a client's: what its server marked (markedFeatures)
 	unclaim          []func() // a server's shm.Claim of the peer's files, undone on release
 }
 
@@ -129,6 +130,10 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 		mem.release()
 		return nil, 0, err
 	}
+	if err = guard(func() error { mem.features = markedFeatures(mem.bufMem); return nil }); err != nil {
+		mem.release()
+		return nil, 0, handshakeError("marker", err)
+	}
 	// The server has mapped both: the names are no longer needed.
 	for _, p := range mem.remove {
 		os.Remove(p)
@@ -176,7 +181,9 @@ func createShared(cfg *Config, mt MemoryType, meta wire.ShmMetadata) (*memory, [
 	if mem.queueMem, err = shm.Map(int(files[1].Fd()), queueSize); err != nil {
 		return fail("map queue", err)
 	}
-	if mem.region, err = buffer.Format(mem.bufMem, cfg.SizeClasses); err != nil {
+	// The last markerSize bytes stay out of the region, for a shmlink
+	// server's marker (marker.go).
+	if mem.region, err = buffer.Format(mem.bufMem[:len(mem.bufMem)-markerSize], cfg.SizeClasses); err != nil {
 		return fail("format buffer", err)
 	}
 	// The client sends on the first half and receives on the second
@@ -243,6 +250,13 @@ func readHandshakeHeader(conn net.Conn, want wire.MsgType) (wire.Header, error) 
 // client's buffer region and IO queue. On error nothing stays mapped or
 // open; conn is left to the caller, who must close it.
 func serverHandshake(conn net.Conn, cfg *Config) (mem *memory, version uint8, err error) {
+	return serverHandshakeMarking(conn, cfg, true)
+}
+
+// serverHandshakeMarking is serverHandshake that writes the shmlink marker
+// into a v3 client's region before AckShareMemory only if mark is set;
+// tests play servers of other kinds with it.
+func serverHandshakeMarking(conn net.Conn, cfg *Config, mark bool) (mem *memory, version uint8, err error) {
 	// mem is only ever set on success paths below.
 	peerUID, err := checkPeer(conn, cfg)
 	if err != nil {
@@ -289,6 +303,12 @@ func serverHandshake(conn net.Conn, cfg *Config) (mem *memory, version uint8, er
 	}
 	if err != nil {
 		return nil, 0, err
+	}
+	if mark {
+		if err = guard(func() error { markRegion(mem.bufMem); return nil }); err != nil {
+			mem.release()
+			return nil, 0, handshakeError("marker", err)
+		}
 	}
 	if _, err = conn.Write(wire.AppendSimple(nil, version, wire.TypeAckShareMemory)); err != nil {
 		mem.release()

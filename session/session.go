@@ -39,6 +39,11 @@ type Session struct {
 	hr   hotRestart // hot-restart state (hotrestart.go)
 	ka   keepAlive  // Config.KeepAlive's checks (keepalive.go)
 
+	// announces is set on a client whose server is shmlink (its marker,
+	// marker.go): OpenStream announces a stream at once, so that the
+	// server's AcceptStream returns it before any byte is written.
+	announces bool
+
 	dead        chan struct{} // closed when the session ends, for any reason
 	closeOnce   sync.Once     // runs fail's ending once
 	closeCalled atomic.Bool   // set by the first Close
@@ -160,6 +165,7 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 	}
 	s.rx.init(s)
 	s.shm.init(mem, &c)
+	s.announces = isClient && mem.features&featAnnounce != 0
 	c.Logger.Debug("shmlink: session started", "client", isClient, "version", version,
 		"remote", conn.RemoteAddr(), "buffer", len(mem.bufMem), "queue", len(mem.queueMem))
 	s.startKeepAlive()
@@ -235,14 +241,17 @@ func (s *Session) NumStreams() int {
 	return len(s.tab.routed)
 }
 
-// OpenStream opens a new stream on a client session and announces it to the
-// server with an event whose slice holds zero bytes (docs/protocol.md
-// section 4: the server creates a stream on its first event), so that the
-// server's AcceptStream returns before any data: protocols where the server
-// speaks first work. Ids of streams that both sides closed are reused. It
-// returns an error on a server session (only clients open streams), the session's error once it
-// has ended, ErrStreamIDs when ids are exhausted, ErrDraining once the
-// session has acknowledged a hot restart (docs/protocol.md section 5), ctx.Err() if ctx
+// OpenStream opens a new stream on a client session. When the server is
+// shmlink (it marks the client's region in the handshake, docs/protocol.md
+// section 11) the stream is announced at once with an event whose slice
+// holds zero bytes, so that the server's AcceptStream returns before any
+// data and protocols where the server speaks first work. Other servers
+// (shmipc-go, the Rust crate) learn of the stream at its first byte, as
+// their own clients do: nothing new goes to them. Ids of streams that both
+// sides closed are reused. It returns an error on a server session (only
+// clients open streams), the session's error once it has ended,
+// ErrStreamIDs when ids are exhausted, ErrDraining once the session has
+// acknowledged a hot restart (docs/protocol.md section 5), ctx.Err() if ctx
 // is done before the announcement is queued, and ErrQueueFull if the peer
 // leaves the IO queue full for Config.QueueFullTimeout.
 func (s *Session) OpenStream(ctx context.Context) (*Stream, error) {
@@ -261,6 +270,9 @@ func (s *Session) OpenStream(ctx context.Context) (*Stream, error) {
 	st := newStream(s, id)
 	s.addLocked(st)
 	s.mu.Unlock()
+	if !s.announces {
+		return st, nil // the server learns of the stream at its first byte
+	}
 	st.wmu.Lock()
 	err = s.announce(ctx, st)
 	st.wmu.Unlock()
