@@ -115,9 +115,15 @@ type Config struct {
 	// 3 s.
 	HandshakeTimeout time.Duration
 
-	// MaxMessageSize is the largest control message accepted from the peer,
-	// header included, in bytes. Default 32 MiB, the
-	// Rust crate's read buffer: it sends a whole flush as one FallbackData.
+	// MaxMessageSize bounds, with StreamHeapLimit, the FallbackData bytes
+	// a stream may hold unread on the heap: max(StreamHeapLimit,
+	// MaxMessageSize) per stream, four times that per session; past it
+	// the session ends with an error naming the limits (docs/protocol.md
+	// section 13). A FallbackData of any length is taken in pieces as it
+	// arrives, so a peer's single flush larger than this works while its
+	// stream is read (shmipc-go and the Rust crate send a whole flush as
+	// one FallbackData). In bytes; default 32 MiB, the Rust crate's read
+	// buffer; at least 64 KiB.
 	MaxMessageSize int
 
 	// AcceptBacklog is the number of streams a server session queues for

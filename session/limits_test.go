@@ -1,6 +1,7 @@
 package session
 
 import (
+	"bytes"
 	"errors"
 	"io"
 	"net"
@@ -256,4 +257,28 @@ func TestPeerDeathErrors(t *testing.T) {
 		require.NotErrorIs(t, err, io.EOF)
 		require.Equal(t, 1, strings.Count(err.Error(), "shmlink: "), "%q", err)
 	}
+}
+
+// One FallbackData longer than MaxMessageSize, as a shmipc-go peer sends
+// a flush that does not fit in shared memory (#18: the session ended for
+// a single 40 MiB write), is taken in pieces while its stream is read:
+// every byte arrives and the session lives.
+func TestHugeFallbackDataInPieces(t *testing.T) {
+	mem, server, write := rawClient(t, nil, nil)
+	announceRaw(t, mem, 2, write)
+	st := accept(t, server)
+	const n = 40 << 20 // over the default MaxMessageSize of 32 MiB
+	data := randomBytes(n, 3)
+	sent := make(chan error, 1)
+	go func() {
+		msg := wire.AppendFallbackHeader(nil, 3, 2, stateClosed, n) // the data and the close
+		sent <- write(append(msg, data...))
+	}()
+	require.NoError(t, st.SetReadDeadline(time.Now().Add(time.Minute)))
+	got, err := io.ReadAll(st)
+	require.NoError(t, err)
+	require.NoError(t, <-sent)
+	require.True(t, bytes.Equal(data, got), "%d bytes of %d, or different ones", len(got), n)
+	require.NoError(t, server.Err())
+	require.EqualValues(t, 1, server.Stats().FallbackReads)
 }

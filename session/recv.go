@@ -2,9 +2,11 @@ package session
 
 import (
 	"bufio"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"runtime"
 	"sync"
@@ -82,23 +84,29 @@ func (s *Session) recvLoop() {
 			s.readFailed(err)
 			return
 		}
-		h, err := wire.ParseHeader(hdr[:], uint32(s.cfg.MaxMessageSize))
+		// FallbackData of any length is taken in pieces (recvFallback);
+		// every other message after the handshake has at most 16 bytes.
+		h, err := wire.ParseHeader(hdr[:], math.MaxUint32)
 		if err != nil {
 			s.failOp("read", err)
 			return
 		}
 		n := int(h.Length) - wire.HeaderSize
-		var payload []byte
-		switch {
-		case h.Type == wire.TypeFallbackData:
-			// The data part becomes the stream's; read it into its own buffer.
-			payload = make([]byte, n)
-		case n <= len(small):
-			payload = small[:n]
-		default:
+		if h.Type == wire.TypeFallbackData {
+			if rerr, err := s.recvFallback(r, n); rerr != nil {
+				s.readFailed(rerr)
+				return
+			} else if err != nil {
+				s.failOp("read FallbackData", err)
+				return
+			}
+			continue
+		}
+		if n > len(small) {
 			s.failOp("read", fmt.Errorf("%w: %v of %d bytes", ErrProtocol, h.Type, h.Length))
 			return
 		}
+		payload := small[:n]
 		if _, err := io.ReadFull(r, payload); err != nil {
 			s.readFailed(err)
 			return
@@ -109,6 +117,54 @@ func (s *Session) recvLoop() {
 			return
 		}
 	}
+}
+
+// fallbackPiece is the most bytes of a FallbackData that recvFallback
+// reads and delivers at once.
+const fallbackPiece = 64 << 10
+
+// recvFallback reads the n-byte payload of a FallbackData (stream id,
+// status, data; docs/protocol.md section 1.2) from r and delivers the data
+// to its stream in pieces of at most fallbackPiece bytes as they arrive,
+// the status's close with the last one. So the memory it takes is bounded
+// by the stream's heap limits (Stream.pushBytes), not by the length of the
+// message, which a shmipc-go peer does not bound (section 8). It returns
+// the error of reading r, or of delivering.
+func (s *Session) recvFallback(r io.Reader, n int) (readErr, err error) {
+	var head [8]byte
+	if n < len(head) {
+		return nil, fmt.Errorf("%w: FallbackData payload of %d bytes, want at least %d", ErrProtocol, n, len(head))
+	}
+	if _, err := io.ReadFull(r, head[:]); err != nil {
+		return err, nil
+	}
+	id, status := binary.BigEndian.Uint32(head[:4]), binary.BigEndian.Uint32(head[4:])
+	if status&0xff > stateClosed {
+		return nil, fmt.Errorf("%w: stream %d: status %#x", ErrProtocol, id, status)
+	}
+	s.ka.heard.Add(1)
+	s.ctr.fallbackRead.Add(1)
+	left := n - len(head)
+	for first := true; first || left > 0; first = false {
+		k := min(left, fallbackPiece)
+		var data []byte // the stream's from here: a buffer of its own
+		if k > 0 {
+			data = make([]byte, k)
+			if _, err := io.ReadFull(r, data); err != nil {
+				return err, nil
+			}
+		}
+		left -= k
+		s.ctr.bytesReceived.Add(uint64(k))
+		st := status&^0xff | stateOpen // the close comes with the last piece
+		if left == 0 {
+			st = status
+		}
+		if err := s.dispatch(queue.Event{StreamID: id, Status: st}, data); err != nil {
+			return nil, err
+		}
+	}
+	return nil, nil
 }
 
 // readFailed ends the session for a failed read: with the error of the
@@ -137,14 +193,6 @@ func (s *Session) handle(h wire.Header, payload []byte) error {
 			return err
 		}
 		return s.dispatch(queue.Event{StreamID: id, Status: stateClosed}, nil)
-	case wire.TypeFallbackData:
-		id, status, data, err := wire.ParseFallback(payload)
-		if err != nil {
-			return err
-		}
-		s.ctr.fallbackRead.Add(1)
-		s.ctr.bytesReceived.Add(uint64(len(data)))
-		return s.dispatch(queue.Event{StreamID: id, Status: status}, data)
 	case wire.TypeHotRestart:
 		return s.handleHotRestart(payload)
 	case wire.TypeHotRestartAck:
