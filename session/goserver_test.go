@@ -5,7 +5,9 @@ import (
 	"errors"
 	"io"
 	"net"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/shmlink/shmlink/buffer"
 	"github.com/shmlink/shmlink/internal/wire"
@@ -24,6 +26,7 @@ type goServerDouble struct {
 	closed  map[uint32]bool   // closes harvested
 	dropped bool              // it saw the end with events still queued
 	empties int               // events whose first slice held 0 bytes
+	acks    chan uint64       // the epochs of the HotRestartAcks it got
 }
 
 // startGoServerDouble runs the double's handshake on conn and returns it;
@@ -33,7 +36,7 @@ func startGoServerDouble(t *testing.T, conn *net.UnixConn) *goServerDouble {
 	mem, _, err := serverHandshakeMarking(conn, &cfg, false) // no shmlink marker
 	require.NoError(t, err)
 	t.Cleanup(mem.release)
-	return &goServerDouble{mem: mem, conn: conn, data: map[uint32][]byte{}, closed: map[uint32]bool{}}
+	return &goServerDouble{mem: mem, conn: conn, data: map[uint32][]byte{}, closed: map[uint32]bool{}, acks: make(chan uint64, 4)}
 }
 
 // eofPending reports whether the peer's end of the connection is already
@@ -86,8 +89,16 @@ func (g *goServerDouble) run() error {
 		if err != nil {
 			return err
 		}
-		if _, err := io.CopyN(io.Discard, g.conn, int64(h.Length)-wire.HeaderSize); err != nil {
+		payload := make([]byte, int(h.Length)-wire.HeaderSize)
+		if _, err := io.ReadFull(g.conn, payload); err != nil {
 			return err
+		}
+		if h.Type == wire.TypeHotRestartAck {
+			epoch, err := wire.ParseEpoch(payload)
+			if err != nil {
+				return err
+			}
+			g.acks <- epoch
 		}
 		if h.Type != wire.TypePolling {
 			continue
@@ -212,4 +223,63 @@ func TestNoAnnouncementToGoServer(t *testing.T) {
 func TestShmlinkServerMarksRegion(t *testing.T) {
 	client, _ := pair(t, nil)
 	require.True(t, client.announces)
+}
+
+// Against a shmipc-go server a hot restart ends the client's long-lived
+// streams (#18, item 4; docs/protocol.md section 8): a shmlink client
+// acknowledges only once its streams on the old session are done, and
+// that server gives up after 2 s without the ack and closes the old
+// session. Here the double sends HotRestart and then either closes the
+// session, as after its 2 s, while a stream is open (the stream fails
+// with the peer's end), or waits while the client closes its stream (the
+// ack comes then).
+func TestHotRestartAgainstGoServer(t *testing.T) {
+	for _, how := range []string{"server-gives-up", "stream-ends-first"} {
+		t.Run(how, func(t *testing.T) {
+			cc, sc := socketPair(t)
+			served := make(chan error, 1)
+			var g *goServerDouble
+			ready := make(chan struct{})
+			go func() {
+				g = startGoServerDouble(t, sc)
+				close(ready)
+				served <- g.run()
+			}()
+			client, err := Client(cc, &Config{})
+			require.NoError(t, err)
+			defer client.Close()
+			<-ready
+			c, err := client.OpenStream(t.Context())
+			require.NoError(t, err)
+			_, err = c.Write([]byte("long-lived"))
+			require.NoError(t, err)
+
+			_, err = sc.Write(wire.AppendHotRestart(nil, 3, wire.TypeHotRestart, 7))
+			require.NoError(t, err)
+			// A Dialer sends no new stream to a session draining so.
+			eventually(t, func() bool { _, ok := client.HotRestartEpoch(); return ok }, "the client drains")
+			select {
+			case e := <-g.acks:
+				t.Fatalf("ack %d while a stream is open", e)
+			default:
+			}
+			if how == "server-gives-up" {
+				require.NoError(t, sc.Close())
+				<-served
+				require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+				_, err = c.Read(make([]byte, 1))
+				require.ErrorIs(t, err, syscall.ECONNRESET, "the long-lived stream ends with the old session")
+				return
+			}
+			require.NoError(t, c.Close())
+			select {
+			case e := <-g.acks:
+				require.EqualValues(t, 7, e)
+			case <-time.After(10 * time.Second):
+				t.Fatal("no HotRestartAck once the stream was done")
+			}
+			sc.Close()
+			<-served
+		})
+	}
 }
