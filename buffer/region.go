@@ -111,11 +111,8 @@ func Format(mem []byte, classes []SizeClass) (*Region, error) {
 // memory's alignment, which Format checks too, is not in question for a
 // mapping.
 func CheckFormat(size int, classes []SizeClass) error {
-	switch {
-	case size < regionHeaderSize:
-		return fmt.Errorf("buffer: format: %d bytes of memory, want at least %d: %w", size, regionHeaderSize, errBadConfig)
-	case uint64(size) > math.MaxUint32:
-		return fmt.Errorf("buffer: format: %d bytes of memory, want less than 4 GiB: %w", size, errBadConfig)
+	if reason := checkSize(size); reason != "" {
+		return fmt.Errorf("buffer: format: %s: %w", reason, errBadConfig)
 	}
 	_, err := layout(uint64(size), classes)
 	return err
@@ -223,13 +220,22 @@ func Attach(mem []byte) (*Region, error) {
 
 // checkMem returns why mem cannot hold a region, or "".
 func checkMem(mem []byte) string {
-	switch {
-	case len(mem) < regionHeaderSize:
-		return fmt.Sprintf("%d bytes of memory, want at least %d", len(mem), regionHeaderSize)
-	case uint64(len(mem)) > math.MaxUint32:
-		return fmt.Sprintf("%d bytes of memory, want less than 4 GiB", len(mem))
-	case uintptr(unsafe.Pointer(unsafe.SliceData(mem)))%fieldAlign != 0:
+	if reason := checkSize(len(mem)); reason != "" {
+		return reason
+	}
+	if uintptr(unsafe.Pointer(unsafe.SliceData(mem)))%fieldAlign != 0 {
 		return fmt.Sprintf("memory not %d-byte aligned", fieldAlign)
+	}
+	return ""
+}
+
+// checkSize returns why a region of n bytes cannot be, or "".
+func checkSize(n int) string {
+	switch {
+	case n < regionHeaderSize:
+		return fmt.Sprintf("%d bytes of memory, want at least %d", n, regionHeaderSize)
+	case uint64(n) > math.MaxUint32:
+		return fmt.Sprintf("%d bytes of memory, want less than 4 GiB", n)
 	}
 	return ""
 }

@@ -51,8 +51,8 @@ type Ring struct {
 // (aligned layout) they must be 8-byte aligned, so cap must be even. The
 // default cap, defaultCap, is fine on both.
 func FormatPair(mem []byte, cap uint32) (first, second *Ring, err error) {
-	if cap < 1 || cap > MaxCap {
-		return nil, nil, fmt.Errorf("%w: cap %d outside 1..%d", errBadConfig, cap, MaxCap)
+	if err := CheckFormat(cap); err != nil {
+		return nil, nil, err
 	}
 	if len(mem) != Size(cap) {
 		return nil, nil, fmt.Errorf("%w: %d bytes of memory for cap %d, want %d", errBadConfig, len(mem), cap, Size(cap))

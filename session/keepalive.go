@@ -3,7 +3,6 @@ package session
 import (
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/shmlink/shmlink/queue"
@@ -11,19 +10,18 @@ import (
 
 // keepAlive is the state of Config.KeepAlive's checks (docs/protocol.md
 // section 13). A timer runs the check every KeepAlive. When something was
-// heard from the peer since the last check (a control message, or an
-// event popped), all is well. Otherwise the check looks at the peer's
+// heard from the peer since the last check (an event popped, a Polling or
+// a FallbackData: the session's counters of them moved), all is well. Otherwise the check looks at the peer's
 // consumption of our send queue: if a probe went out at the last check
 // and the queue's head has not moved since while events wait in it, the
 // peer took nothing for a whole KeepAlive and the session ends; else a
 // new probe goes out, the close of stream 0 (ids start at 2, so every
 // peer ignores it), with a Polling.
 type keepAlive struct {
-	heard atomic.Uint64 // control messages received; recvLoop counts them
-	timer *time.Timer   // nil when KeepAlive is off
+	timer *time.Timer // nil when KeepAlive is off
 
 	mu        sync.Mutex // guards what follows; held by the check only
-	seen      uint64     // heard plus events received, at the last check
+	seen      uint64     // heard(), at the last check
 	probing   bool       // a probe went out at the last check
 	probeHead int64      // the send queue's head then
 }
@@ -44,6 +42,12 @@ func (s *Session) stopKeepAlive() {
 	}
 }
 
+// heard sums the counters of what came from the peer: it moves whenever
+// the peer did something for the session.
+func (s *Session) heard() uint64 {
+	return s.ctr.eventsReceived.Load() + s.ctr.wakeupsReceived.Load() + s.ctr.fallbackRead.Load()
+}
+
 // keepAliveCheck is one check (see keepAlive); it runs on the timer's
 // goroutine and arms the next one.
 func (s *Session) keepAliveCheck() {
@@ -53,7 +57,7 @@ func (s *Session) keepAliveCheck() {
 	if s.Err() != nil {
 		return
 	}
-	if heard := ka.heard.Load() + s.ctr.eventsReceived.Load(); heard != ka.seen {
+	if heard := s.heard(); heard != ka.seen {
 		ka.seen, ka.probing = heard, false
 		ka.timer.Reset(s.cfg.KeepAlive)
 		return

@@ -2,7 +2,6 @@ package session
 
 import (
 	"bufio"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -111,7 +110,6 @@ func (s *Session) recvLoop() {
 			s.readFailed(err)
 			return
 		}
-		s.ka.heard.Add(1)
 		if err := s.handle(h, payload); err != nil {
 			s.failOp("read "+h.Type.String(), err)
 			return
@@ -131,18 +129,17 @@ const fallbackPiece = 64 << 10
 // message, which a shmipc-go peer does not bound (section 8). It returns
 // the error of reading r, or of delivering.
 func (s *Session) recvFallback(r io.Reader, n int) (readErr, err error) {
-	var head [8]byte
-	if n < len(head) {
-		return nil, fmt.Errorf("%w: FallbackData payload of %d bytes, want at least %d", ErrProtocol, n, len(head))
-	}
+	var head [8]byte // wire.ParseHeader has checked that n holds it
 	if _, err := io.ReadFull(r, head[:]); err != nil {
 		return err, nil
 	}
-	id, status := binary.BigEndian.Uint32(head[:4]), binary.BigEndian.Uint32(head[4:])
+	id, status, _, err := wire.ParseFallback(head[:])
+	if err != nil {
+		return nil, err
+	}
 	if status&0xff > stateClosed {
 		return nil, fmt.Errorf("%w: stream %d: status %#x", ErrProtocol, id, status)
 	}
-	s.ka.heard.Add(1)
 	s.ctr.fallbackRead.Add(1)
 	left := n - len(head)
 	for first := true; first || left > 0; first = false {
@@ -302,8 +299,8 @@ func (s *Session) dispatchLocked(m *memory, ev queue.Event, data []byte) error {
 // route returns the stream ev goes to, opening one on a server. It returns
 // nil when ev was dealt with here: its slices recycled for an unknown or
 // refused id, or a new stream refused because the accept backlog or
-// Config.MaxStreams is full, or the session closes when idle. The caller holds rx.mu and shm.mu's read
-// lock.
+// Config.MaxStreams is full, or the session closes when idle. The caller
+// holds rx.mu and shm.mu's read lock.
 func (s *Session) route(m *memory, ev queue.Event) (*Stream, error) {
 	id, closing := ev.StreamID, ev.Status&0xff == stateClosed
 	s.mu.Lock()
