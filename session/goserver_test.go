@@ -29,14 +29,27 @@ type goServerDouble struct {
 	acks    chan uint64       // the epochs of the HotRestartAcks it got
 }
 
-// startGoServerDouble runs the double's handshake on conn and returns it;
-// run serves it until the connection ends.
-func startGoServerDouble(t *testing.T, conn *net.UnixConn) *goServerDouble {
-	cfg := (&Config{}).withDefaults()
-	mem, _, err := serverHandshakeMarking(conn, &cfg, false) // no shmlink marker
+// dialGoServerDouble makes a shmlink client session against a new
+// double, which serves it on its own goroutine until the connection ends;
+// served reports run's result. sc is the double's end of the connection.
+func dialGoServerDouble(t *testing.T) (client *Session, g *goServerDouble, sc *net.UnixConn, served <-chan error) {
+	t.Helper()
+	cc, sc := socketPair(t)
+	doubled := make(chan error, 1)
+	g = &goServerDouble{conn: sc, data: map[uint32][]byte{}, closed: map[uint32]bool{}, acks: make(chan uint64, 4)}
+	go func() {
+		cfg := (&Config{}).withDefaults()
+		var err error
+		g.mem, _, err = serverHandshakeMarking(sc, &cfg, false) // no shmlink marker
+		doubled <- err
+	}()
+	client, err := Client(cc, &Config{})
 	require.NoError(t, err)
-	t.Cleanup(mem.release)
-	return &goServerDouble{mem: mem, conn: conn, data: map[uint32][]byte{}, closed: map[uint32]bool{}, acks: make(chan uint64, 4)}
+	require.NoError(t, <-doubled)
+	t.Cleanup(g.mem.release)
+	done := make(chan error, 1)
+	go func() { done <- g.run() }()
+	return client, g, sc, done
 }
 
 // eofPending reports whether the peer's end of the connection is already
@@ -153,18 +166,7 @@ func (g *goServerDouble) run() error {
 // "stream closed" instead of the data and EOF, 3 times in 18).
 func TestCloseDrainsForGoServer(t *testing.T) {
 	for i := range 20 {
-		cc, sc := socketPair(t)
-		served := make(chan error, 1)
-		var g *goServerDouble
-		ready := make(chan struct{})
-		go func() {
-			g = startGoServerDouble(t, sc)
-			close(ready)
-			served <- g.run()
-		}()
-		client, err := Client(cc, &Config{})
-		require.NoError(t, err)
-		<-ready
+		client, g, _, served := dialGoServerDouble(t)
 		c, err := client.OpenStream(t.Context())
 		require.NoError(t, err)
 		_, err = c.Write([]byte("last request"))
@@ -186,18 +188,7 @@ func TestCloseDrainsForGoServer(t *testing.T) {
 // broke the next exchange). Against a shmlink server the announcement
 // stays (TestAnnounce...).
 func TestNoAnnouncementToGoServer(t *testing.T) {
-	cc, sc := socketPair(t)
-	served := make(chan error, 1)
-	var g *goServerDouble
-	ready := make(chan struct{})
-	go func() {
-		g = startGoServerDouble(t, sc)
-		close(ready)
-		served <- g.run()
-	}()
-	client, err := Client(cc, &Config{})
-	require.NoError(t, err)
-	<-ready
+	client, g, _, served := dialGoServerDouble(t)
 	require.False(t, client.announces, "the double did not mark the region")
 	var idle []*Stream
 	for range 5 {
@@ -236,19 +227,8 @@ func TestShmlinkServerMarksRegion(t *testing.T) {
 func TestHotRestartAgainstGoServer(t *testing.T) {
 	for _, how := range []string{"server-gives-up", "stream-ends-first"} {
 		t.Run(how, func(t *testing.T) {
-			cc, sc := socketPair(t)
-			served := make(chan error, 1)
-			var g *goServerDouble
-			ready := make(chan struct{})
-			go func() {
-				g = startGoServerDouble(t, sc)
-				close(ready)
-				served <- g.run()
-			}()
-			client, err := Client(cc, &Config{})
-			require.NoError(t, err)
+			client, g, sc, served := dialGoServerDouble(t)
 			defer client.Close()
-			<-ready
 			c, err := client.OpenStream(t.Context())
 			require.NoError(t, err)
 			_, err = c.Write([]byte("long-lived"))
