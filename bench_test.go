@@ -23,6 +23,7 @@ import (
 	"io"
 	"math/big"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -31,6 +32,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -39,6 +41,7 @@ import (
 	"github.com/shmlink/shmlink"
 	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/shmlink/shmlink/session"
+	"golang.org/x/sys/unix"
 )
 
 // Modes of a benchmark connection: the first byte of its header.
@@ -157,7 +160,18 @@ func runBenchServer(p peertest.Params) int {
 	if err != nil {
 		return fail(err)
 	}
-	fmt.Printf("ready %s %s %s %s %s\n", shmLn.Addr(), udsLn.Addr(), tcpLn.Addr(), yLn.Addr(), qLn.Addr())
+	shmHTTPLn, err := shmlink.Listen("unix", filepath.Join(dir, "shm-http.sock"))
+	if err != nil {
+		return fail(err)
+	}
+	udsHTTPLn, err := net.Listen("unix", filepath.Join(dir, "uds-http.sock"))
+	if err != nil {
+		return fail(err)
+	}
+	fmt.Printf("ready %s %s %s %s %s %s %s\n", shmLn.Addr(), udsLn.Addr(), tcpLn.Addr(), yLn.Addr(), qLn.Addr(), shmHTTPLn.Addr(), udsHTTPLn.Addr())
+	httpSrv := &http.Server{Handler: http.HandlerFunc(serveHTTPBench)}
+	go httpSrv.Serve(shmHTTPLn)
+	go httpSrv.Serve(udsHTTPLn)
 
 	serveAll := func(ln net.Listener, wrap func(net.Conn)) {
 		for {
@@ -201,6 +215,7 @@ func runBenchServer(p peertest.Params) int {
 		}
 	}()
 	io.Copy(io.Discard, os.Stdin)
+	httpSrv.Close()
 	shmLn.Close()
 	udsLn.Close()
 	tcpLn.Close()
@@ -314,11 +329,12 @@ func startBenchServer(b *testing.B) *benchPeer {
 		}
 		line, err := bufio.NewReader(stdout).ReadString('\n')
 		f := strings.Fields(line)
-		if err != nil || len(f) != 6 || f[0] != "ready" {
+		if err != nil || len(f) != 8 || f[0] != "ready" {
 			p.err = fmt.Errorf("bench server said %q: %v", line, err)
 			return
 		}
-		p.addrs = map[string]string{tShmlink: f[1], tShmlinkZC: f[1], tUDS: f[2], tTCP: f[3], tYamux: f[4], tQUIC: f[5]}
+		p.addrs = map[string]string{tShmlink: f[1], tShmlinkZC: f[1], tUDS: f[2], tTCP: f[3], tYamux: f[4], tQUIC: f[5],
+			httpPrefix + tShmlink: f[6], httpPrefix + tUDS: f[7]}
 	})
 	if benchServer.err != nil {
 		b.Fatal(benchServer.err)
@@ -459,35 +475,89 @@ func sizeName(n int) string {
 	return strconv.Itoa(n) + "B"
 }
 
+// benchCPU returns a meter of the CPU time of both processes of the
+// benchmarks: this one and the server.
+func benchCPU(b *testing.B) *peertest.CPUMeter {
+	return peertest.NewCPUMeter(os.Getpid(), startBenchServer(b).cmd.Process.Pid)
+}
+
+// contended runs f twice as sub-benchmarks: "idle", as the machine is, and
+// "contended", while another process keeps every core busy
+// (peertest.StartHog): a shared host's other tenants.
+func contended(b *testing.B, f func(b *testing.B)) {
+	b.Run("idle", f)
+	b.Run("contended", func(b *testing.B) {
+		peertest.StartHog(b)
+		f(b)
+	})
+}
+
 // BenchmarkPingPong: one stream, a request and an equal-size response per
-// op, client and server in two processes. SetBytes counts both messages.
+// op, client and server in two processes. SetBytes counts both messages;
+// cpu-us/op is the CPU time of both processes per round trip.
 func BenchmarkPingPong(b *testing.B) {
 	sizes := []int{64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20}
 	for _, transport := range benchTransports {
 		b.Run(transport, func(b *testing.B) {
 			for _, size := range sizes {
-				b.Run(sizeName(size), func(b *testing.B) {
-					bc := newBenchClient(b, transport)
-					defer bc.close()
-					rt, c := newPingPonger(b, bc, transport, size)
-					defer c.Close()
-					for range 10 { // warm up: first slices, buffers, windows
-						if err := rt(); err != nil {
-							b.Fatal(err)
-						}
-					}
-					b.SetBytes(2 * int64(size))
-					b.ReportAllocs()
-					b.ResetTimer()
-					for b.Loop() {
-						if err := rt(); err != nil {
-							b.Fatal(err)
-						}
-					}
-				})
+				b.Run(sizeName(size), func(b *testing.B) { pingPong(b, transport, size) })
 			}
 		})
 	}
+}
+
+// waitStats reports, for a shmlink client, how its reader's waits ended
+// per op since stats0: "hits/op" (a spin got the data), "parks/op" (it
+// slept until a wakeup came); stats returns the session's counters now.
+type waitStats struct {
+	sess   *session.Session
+	stats0 session.Stats
+}
+
+// newWaitStats starts counting the waits of c's session, if c is a
+// shmlink stream.
+func newWaitStats(c any) *waitStats {
+	st, ok := c.(*shmlink.Stream)
+	if !ok {
+		return nil
+	}
+	return &waitStats{sess: st.Session(), stats0: st.Session().Stats()}
+}
+
+// report reports the waits per op since newWaitStats.
+func (w *waitStats) report(b *testing.B, ops int) {
+	if w == nil || ops <= 0 {
+		return
+	}
+	st := w.sess.Stats()
+	b.ReportMetric(float64(st.SpinHits-w.stats0.SpinHits)/float64(ops), "hits/op")
+	b.ReportMetric(float64(st.Parks-w.stats0.Parks)/float64(ops), "parks/op")
+}
+
+// pingPong is one case of BenchmarkPingPong.
+func pingPong(b *testing.B, transport string, size int) {
+	bc := newBenchClient(b, transport)
+	defer bc.close()
+	rt, c := newPingPonger(b, bc, transport, size)
+	defer c.Close()
+	for range 10 { // warm up: first slices, buffers, windows
+		if err := rt(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.SetBytes(2 * int64(size))
+	b.ReportAllocs()
+	cpu := benchCPU(b)
+	waits := newWaitStats(c)
+	b.ResetTimer()
+	cpu.Start(b)
+	for b.Loop() {
+		if err := rt(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	cpu.ReportCPU(b, b.N)
+	waits.report(b, b.N)
 }
 
 // benchParallelStreams is the number of concurrent streams (goroutines)
@@ -501,50 +571,56 @@ func BenchmarkPingPongParallel(b *testing.B) {
 	for _, transport := range benchTransports {
 		b.Run(transport, func(b *testing.B) {
 			for _, size := range []int{64, 4 << 10, 1 << 20} {
-				b.Run(sizeName(size), func(b *testing.B) {
-					bc := newBenchClient(b, transport)
-					defer bc.close()
-					rts := make(chan pingPonger, benchParallelStreams)
-					for range benchParallelStreams {
-						rt, c := newPingPonger(b, bc, transport, size)
-						defer c.Close()
-						if err := rt(); err != nil {
-							b.Fatal(err)
-						}
-						rts <- rt
-					}
-					b.SetBytes(2 * int64(size))
-					b.ReportAllocs()
-					procs := runtime.GOMAXPROCS(0)
-					b.SetParallelism((benchParallelStreams + procs - 1) / procs)
-					b.ResetTimer()
-					var failed error
-					var mu sync.Mutex
-					b.RunParallel(func(pb *testing.PB) {
-						var rt pingPonger
-						select {
-						case rt = <-rts:
-						default:
-							// More goroutines than streams (GOMAXPROCS not
-							// a divisor of 64): the others run the loop.
-							return
-						}
-						for pb.Next() {
-							if err := rt(); err != nil {
-								mu.Lock()
-								failed = err
-								mu.Unlock()
-								return
-							}
-						}
-					})
-					if failed != nil {
-						b.Fatal(failed)
-					}
-				})
+				b.Run(sizeName(size), func(b *testing.B) { pingPongParallel(b, transport, size) })
 			}
 		})
 	}
+}
+
+// pingPongParallel is one case of BenchmarkPingPongParallel.
+func pingPongParallel(b *testing.B, transport string, size int) {
+	bc := newBenchClient(b, transport)
+	defer bc.close()
+	rts := make(chan pingPonger, benchParallelStreams)
+	for range benchParallelStreams {
+		rt, c := newPingPonger(b, bc, transport, size)
+		defer c.Close()
+		if err := rt(); err != nil {
+			b.Fatal(err)
+		}
+		rts <- rt
+	}
+	b.SetBytes(2 * int64(size))
+	b.ReportAllocs()
+	procs := runtime.GOMAXPROCS(0)
+	b.SetParallelism((benchParallelStreams + procs - 1) / procs)
+	cpu := benchCPU(b)
+	b.ResetTimer()
+	cpu.Start(b)
+	var failed error
+	var mu sync.Mutex
+	b.RunParallel(func(pb *testing.PB) {
+		var rt pingPonger
+		select {
+		case rt = <-rts:
+		default:
+			// More goroutines than streams (GOMAXPROCS not a divisor
+			// of 64): the others run the loop.
+			return
+		}
+		for pb.Next() {
+			if err := rt(); err != nil {
+				mu.Lock()
+				failed = err
+				mu.Unlock()
+				return
+			}
+		}
+	})
+	if failed != nil {
+		b.Fatal(failed)
+	}
+	cpu.ReportCPU(b, b.N)
 }
 
 // BenchmarkStream: one-way messages of 10KB, 64KB and 1MB on one stream,
@@ -555,56 +631,243 @@ func BenchmarkStream(b *testing.B) {
 	for _, transport := range benchTransports {
 		b.Run(transport, func(b *testing.B) {
 			for _, size := range []int{10 << 10, 64 << 10, 1 << 20} {
-				name := sizeName(size)
-				if size == 10<<10 {
-					name = "10KB"
-				}
-				b.Run(name, func(b *testing.B) {
-					bc := newBenchClient(b, transport)
-					defer bc.close()
-					n := b.N
-					mode := byte(modeSink)
-					if transport == tShmlinkZC {
-						mode = modeSinkZC
-					}
-					c := bc.open(b, mode, size, n)
-					defer c.Close()
-					var stats0 session.Stats
-					st, _ := c.(*shmlink.Stream)
-					if st != nil {
-						stats0 = st.Session().Stats()
-					}
-					buf := make([]byte, size)
-					b.SetBytes(int64(size))
-					b.ReportAllocs()
-					b.ResetTimer()
-					for range n {
-						var err error
-						if transport == tShmlinkZC {
-							err = reserveMessage(st, size)
-						} else {
-							_, err = c.Write(buf)
-						}
-						if err != nil {
-							b.Fatal(err)
-						}
-					}
-					var ack [1]byte
-					if _, err := io.ReadFull(c, ack[:]); err != nil {
-						b.Fatal(err)
-					}
-					b.StopTimer()
-					b.ReportMetric(float64(n)/b.Elapsed().Seconds(), "msg/s")
-					if st != nil {
-						stats := st.Session().Stats()
-						b.ReportMetric(float64(stats.FallbackWrites-stats0.FallbackWrites), "fallbacks")
-						b.ReportMetric(float64(stats.WakeupsSent-stats0.WakeupsSent)/float64(n), "wakeups/op")
-						b.ReportMetric(float64(stats.MemoryFull-stats0.MemoryFull)/float64(n), "full/op")
-					}
-				})
+				b.Run(streamSizeName(size), func(b *testing.B) { oneWay(b, transport, size) })
 			}
 		})
 	}
+}
+
+// streamSizeName names BenchmarkStream's sizes: 10KB is not a power of 2.
+func streamSizeName(size int) string {
+	if size == 10<<10 {
+		return "10KB"
+	}
+	return sizeName(size)
+}
+
+// oneWay is one case of BenchmarkStream.
+func oneWay(b *testing.B, transport string, size int) {
+	bc := newBenchClient(b, transport)
+	defer bc.close()
+	n := b.N
+	mode := byte(modeSink)
+	if transport == tShmlinkZC {
+		mode = modeSinkZC
+	}
+	c := bc.open(b, mode, size, n)
+	defer c.Close()
+	var stats0 session.Stats
+	st, _ := c.(*shmlink.Stream)
+	if st != nil {
+		stats0 = st.Session().Stats()
+	}
+	buf := make([]byte, size)
+	b.SetBytes(int64(size))
+	b.ReportAllocs()
+	cpu := benchCPU(b)
+	b.ResetTimer()
+	cpu.Start(b)
+	for range n {
+		var err error
+		if transport == tShmlinkZC {
+			err = reserveMessage(st, size)
+		} else {
+			_, err = c.Write(buf)
+		}
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+	var ack [1]byte
+	if _, err := io.ReadFull(c, ack[:]); err != nil {
+		b.Fatal(err)
+	}
+	b.StopTimer()
+	cpu.ReportCPU(b, n)
+	b.ReportMetric(float64(n)/b.Elapsed().Seconds(), "msg/s")
+	if st != nil {
+		stats := st.Session().Stats()
+		b.ReportMetric(float64(stats.FallbackWrites-stats0.FallbackWrites), "fallbacks")
+		b.ReportMetric(float64(stats.WakeupsSent-stats0.WakeupsSent)/float64(n), "wakeups/op")
+		b.ReportMetric(float64(stats.MemoryFull-stats0.MemoryFull)/float64(n), "full/op")
+	}
+}
+
+// The transports of the benchmarks of busy hosts, paced requests and
+// HTTP: shmlink against the plain Unix socket it replaces.
+var localTransports = []string{tShmlink, tShmlinkZC, tUDS}
+
+// BenchmarkContended runs the ping-pong and one-way cases of 64 B and
+// 1 MB, and the 64-stream ping-pong of 64 B, on idle cores and while
+// another process keeps every core busy (see contended), for shmlink and
+// a Unix socket: what a sidecar on a shared host sees.
+func BenchmarkContended(b *testing.B) {
+	contended(b, func(b *testing.B) {
+		for _, size := range []int{64, 1 << 20} {
+			b.Run("PingPong/"+sizeName(size), func(b *testing.B) {
+				for _, transport := range localTransports {
+					b.Run(transport, func(b *testing.B) { pingPong(b, transport, size) })
+				}
+			})
+		}
+		b.Run("PingPongParallel/64B", func(b *testing.B) {
+			for _, transport := range localTransports {
+				b.Run(transport, func(b *testing.B) { pingPongParallel(b, transport, 64) })
+			}
+		})
+		for _, size := range []int{64 << 10, 1 << 20} {
+			b.Run("Stream/"+sizeName(size), func(b *testing.B) {
+				for _, transport := range localTransports {
+					b.Run(transport, func(b *testing.B) { oneWay(b, transport, size) })
+				}
+			})
+		}
+	})
+}
+
+// BenchmarkPaced: 64 B requests and responses on one stream with a pause
+// between them (100 us, 1 ms, 10 ms), as requests arrive at a service
+// that is not saturated: the reader has gone to sleep (or spun in vain)
+// by the time each request comes. It reports the round trip's p50 and p99
+// (the pause is not counted; ns/op is) and the CPU time of both processes
+// per request, on idle cores and contended.
+func BenchmarkPaced(b *testing.B) {
+	contended(b, func(b *testing.B) {
+		for _, gap := range []time.Duration{100 * time.Microsecond, time.Millisecond, 10 * time.Millisecond} {
+			b.Run("gap="+gap.String(), func(b *testing.B) {
+				for _, transport := range localTransports {
+					b.Run(transport, func(b *testing.B) { paced(b, transport, gap) })
+				}
+			})
+		}
+	})
+}
+
+// paced is one case of BenchmarkPaced.
+func paced(b *testing.B, transport string, gap time.Duration) {
+	bc := newBenchClient(b, transport)
+	defer bc.close()
+	rt, c := newPingPonger(b, bc, transport, 64)
+	defer c.Close()
+	for range 10 {
+		if err := rt(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	lat := make(peertest.Latencies, 0, b.N)
+	b.ReportAllocs()
+	cpu := benchCPU(b)
+	waits := newWaitStats(c)
+	b.ResetTimer()
+	cpu.Start(b)
+	pause := unix.NsecToTimespec(gap.Nanoseconds())
+	for b.Loop() {
+		// The workload's pause, not synchronisation. A thread's sleep:
+		// Go's timers round a sleep of 100 us up to about 1 ms here.
+		unix.Nanosleep(&pause, nil)
+		t0 := time.Now()
+		if err := rt(); err != nil {
+			b.Fatal(err)
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	cpu.ReportCPU(b, b.N)
+	lat.Report(b)
+	waits.report(b, b.N)
+}
+
+// httpPrefix marks the addresses of the HTTP servers in benchPeer.addrs.
+const httpPrefix = "http-"
+
+// serveHTTPBench answers GET /<n> with n bytes (at most 1 MiB).
+func serveHTTPBench(w http.ResponseWriter, r *http.Request) {
+	n, err := strconv.Atoi(strings.TrimPrefix(r.URL.Path, "/"))
+	if err != nil || n < 0 || n > 1<<20 {
+		http.Error(w, "bad size", http.StatusBadRequest)
+		return
+	}
+	w.Header().Set("Content-Length", strconv.Itoa(n))
+	w.Write(httpBody[:n])
+}
+
+// httpBody is what serveHTTPBench answers, a prefix of it.
+var httpBody = make([]byte, 1<<20)
+
+// BenchmarkHTTP: HTTP/1.1 GETs of 64 B and 64 KB bodies through net/http
+// on both ends, from 1 and 16 concurrent clients (kept-alive connections,
+// one per client), over shmlink and a Unix socket; reports requests/s and
+// the CPU time of both processes per request.
+func BenchmarkHTTP(b *testing.B) {
+	for _, size := range []int{64, 64 << 10} {
+		for _, clients := range []int{1, 16} {
+			b.Run(fmt.Sprintf("GET-%s/c%d", sizeName(size), clients), func(b *testing.B) {
+				for _, transport := range []string{tShmlink, tUDS} {
+					b.Run(transport, func(b *testing.B) { httpGets(b, transport, size, clients) })
+				}
+			})
+		}
+	}
+}
+
+// httpGets is one case of BenchmarkHTTP.
+func httpGets(b *testing.B, transport string, size, clients int) {
+	p := startBenchServer(b)
+	addr := p.addrs[httpPrefix+transport]
+	tr := &http.Transport{MaxIdleConnsPerHost: clients, DisableCompression: true}
+	if transport == tShmlink {
+		d := &shmlink.Dialer{}
+		defer d.Close()
+		tr.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) { return d.DialContext(ctx, "unix", addr) }
+	} else {
+		var d net.Dialer
+		tr.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) { return d.DialContext(ctx, "unix", addr) }
+	}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr}
+	url := "http://bench/" + strconv.Itoa(size)
+	// get GETs url and checks the body, read into buf (one per client).
+	get := func(buf []byte) error {
+		resp, err := client.Get(url)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		n, err := io.ReadFull(resp.Body, buf)
+		if err != io.ErrUnexpectedEOF || n != size || resp.StatusCode != http.StatusOK {
+			return fmt.Errorf("GET %s: status %d, %d bytes (%v), want %d", url, resp.StatusCode, n, err, size)
+		}
+		return nil
+	}
+	for range clients { // warm up: a connection per client
+		if err := get(make([]byte, size+1)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportAllocs()
+	cpu := benchCPU(b)
+	var next atomic.Int64
+	var failed atomic.Pointer[error]
+	b.ResetTimer()
+	cpu.Start(b)
+	var wg sync.WaitGroup
+	for range clients {
+		wg.Go(func() {
+			buf := make([]byte, size+1)
+			for next.Add(1) <= int64(b.N) {
+				if err := get(buf); err != nil {
+					failed.CompareAndSwap(nil, &err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	b.StopTimer()
+	if err := failed.Load(); err != nil {
+		b.Fatal(*err)
+	}
+	cpu.ReportCPU(b, b.N)
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "req/s")
 }
 
 // reserveMessage sends one message of size bytes built in place, a slice

@@ -62,6 +62,9 @@ func Main(roles map[string]func(Params) int) {
 	if role == "" {
 		return
 	}
+	if role == hogRole {
+		os.Exit(runHog())
+	}
 	var p Params
 	if err := json.Unmarshal([]byte(os.Getenv(paramsEnv)), &p); err != nil {
 		fmt.Fprintf(os.Stderr, "peer %s: bad %s: %v\n", role, paramsEnv, err)

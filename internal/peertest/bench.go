@@ -1,0 +1,148 @@
+package peertest
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"testing"
+	"time"
+)
+
+// Tools of the benchmarks (bench_test.go, example/grpc's benchmarks): the
+// CPU time of a process, a process that keeps every core busy, and the
+// percentiles of round-trip times.
+
+// CPUTime returns the CPU time the threads of process pid have used so
+// far, in nanoseconds of run time as the scheduler counts it (the first
+// field of /proc/<pid>/task/<tid>/schedstat, summed over the threads):
+// unlike /proc/<pid>/stat, whose clock ticks are 10 ms, it resolves one
+// round trip. Threads that already exited are not counted (a Go process
+// keeps its threads). It returns an error when /proc cannot be read.
+func CPUTime(pid int) (time.Duration, error) {
+	dir := fmt.Sprintf("/proc/%d/task", pid)
+	tasks, err := os.ReadDir(dir)
+	if err != nil {
+		return 0, err
+	}
+	var sum time.Duration
+	for _, t := range tasks {
+		b, err := os.ReadFile(dir + "/" + t.Name() + "/schedstat")
+		if err != nil {
+			continue // the thread exited meanwhile
+		}
+		f, _, _ := bytes.Cut(b, []byte{' '})
+		ns, err := strconv.ParseInt(string(f), 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("%s/%s/schedstat: %q: %w", dir, t.Name(), b, err)
+		}
+		sum += time.Duration(ns)
+	}
+	return sum, nil
+}
+
+// A CPUMeter measures the CPU time a set of processes uses between its
+// Start and Stop.
+type CPUMeter struct {
+	pids []int
+	at   time.Duration
+}
+
+// NewCPUMeter returns a meter of the processes pids (this process is
+// os.Getpid()).
+func NewCPUMeter(pids ...int) *CPUMeter { return &CPUMeter{pids: pids} }
+
+func (m *CPUMeter) sum(tb testing.TB) time.Duration {
+	var total time.Duration
+	for _, pid := range m.pids {
+		d, err := CPUTime(pid)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		total += d
+	}
+	return total
+}
+
+// Start records the processes' CPU time now.
+func (m *CPUMeter) Start(tb testing.TB) { m.at = m.sum(tb) }
+
+// Stop returns the CPU time the processes used since Start.
+func (m *CPUMeter) Stop(tb testing.TB) time.Duration { return m.sum(tb) - m.at }
+
+// ReportCPU reports the CPU time of m's processes since Start per
+// operation of b, in microseconds, as the metric "cpu-us/op": what both
+// ends of a transport spent on each operation, spinning included.
+func (m *CPUMeter) ReportCPU(b *testing.B, ops int) {
+	if ops <= 0 {
+		return
+	}
+	b.ReportMetric(float64(m.Stop(b).Nanoseconds())/1e3/float64(ops), "cpu-us/op")
+}
+
+// hogRole is the role of a process started by StartHog; Main runs it
+// whatever roles its caller knows.
+const hogRole = "cpu-hog"
+
+// StartHog starts a process that keeps every core busy, a busy loop per
+// core (runtime.NumCPU), at normal priority: the "contended" case of the
+// benchmarks, another tenant of a shared host. The test's end stops it.
+func StartHog(tb testing.TB) {
+	tb.Helper()
+	cmd := Cmd(hogRole, Params{})
+	cmd.Stdout, cmd.Stderr = nil, os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		stdin.Close()
+		cmd.Process.Kill() // a busy loop does not look at its input
+		cmd.Wait()
+	})
+}
+
+// runHog is the hog process: runtime.NumCPU busy loops until killed or
+// its standard input closes.
+func runHog() int {
+	n := runtime.NumCPU()
+	runtime.GOMAXPROCS(n + 1)
+	for range n {
+		go func() {
+			x := uint64(1)
+			for {
+				x = x*6364136223846793005 + 1442695040888963407
+			}
+		}()
+	}
+	var b [1]byte
+	os.Stdin.Read(b[:])
+	return 0
+}
+
+// Latencies collects round-trip times; Report adds their percentiles to
+// a benchmark's metrics.
+type Latencies []time.Duration
+
+// Percentile returns the p-th percentile (0 < p <= 100) of l, nearest
+// rank; zero when l is empty. It sorts l.
+func (l Latencies) Percentile(p float64) time.Duration {
+	if len(l) == 0 {
+		return 0
+	}
+	slices.Sort(l)
+	i := int(float64(len(l))*p/100+0.5) - 1
+	return l[max(0, min(i, len(l)-1))]
+}
+
+// Report reports the 50th and 99th percentiles of l to b, in
+// microseconds, as "p50-us" and "p99-us".
+func (l Latencies) Report(b *testing.B) {
+	b.ReportMetric(float64(l.Percentile(50).Nanoseconds())/1e3, "p50-us")
+	b.ReportMetric(float64(l.Percentile(99).Nanoseconds())/1e3, "p99-us")
+}
