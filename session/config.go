@@ -173,10 +173,7 @@ type Config struct {
 	// receive queue in shared memory, after the last event it saw, before
 	// it sleeps until the peer's wakeup message. While it polls, the peer
 	// sends no wakeups, so a message costs no system call; the price is a
-	// busy CPU for up to PollTime after traffic stops. It is an upper
-	// bound: a stream whose recent waits lasted longer than PollTime
-	// (requests with pauses) sleeps at once, and polls again once waits
-	// get short (docs/protocol.md section 12.2). A reader that got
+	// busy CPU for up to PollTime after traffic stops. A reader that got
 	// its data leaves the flag that spares the peer's wakeups set for one
 	// to two PollTimes more (about 1 ms when the process is otherwise
 	// idle, Go's timer resolution), unless another reader sleeps: events

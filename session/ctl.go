@@ -245,13 +245,7 @@ func (s *Session) writeFailed(err error) error {
 	}
 	serr := &SessionError{Op: "write", Err: err}
 	if s.ctl.broken.CompareAndSwap(nil, serr) {
-		at := time.Now().Add(s.ctl.timeout)
-		s.rd.brokenAt.Store(at.UnixNano())
-		s.conn.SetReadDeadline(at)
-		if s.rd.holder.Load() != nil {
-			// A stream's reader holds the baton: it gives it back.
-			s.conn.SetReadDeadline(aLongTimeAgo)
-		}
+		s.conn.SetReadDeadline(time.Now().Add(s.ctl.timeout))
 	} else {
 		serr = s.ctl.broken.Load()
 	}

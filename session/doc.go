@@ -14,9 +14,6 @@
 //   - lease: a reader whose spin got its data keeps the working flag set
 //     for its next read; settle: clear the flag, then harvest what came
 //     (docs/protocol.md section 12).
-//   - baton: the right to read the control connection; a reader about to
-//     sleep may hold it, so that the peer's wakeup runs it directly; a
-//     kick makes the holder's read return (docs/protocol.md section 12.3).
 //   - route: find the stream an event is for; unroute: stop doing so once
 //     both closes were exchanged, so that the id can be reused.
 //   - live: a stream not yet closed locally; it may still hold shared memory.
@@ -31,16 +28,11 @@
 //
 //   - The receive loop (recvLoop), one per session: reads control messages,
 //     harvests after a Polling, delivers StreamClose and FallbackData, and
-//     answers hot restart messages, except while a stream's reader holds
-//     the baton. It ends when the connection does.
+//     answers hot restart messages. It ends when the connection does.
 //   - Application goroutines calling Stream and Session methods. A reader
-//     may spin and harvest in place of the receive loop (Stream.spin), and
-//     a reader about to sleep may read the connection in its place
-//     (Stream.readAsHolder, holding rmu; it handles Polling and
-//     StreamClose, which take the locks after rmu only).
-//   - Timers: the lease timer (leaseTick settles the working flag), the
-//     baton's timer (reclaimBaton), the idle timer (idleExpired) and
-//     deadline timers (they only close channels).
+//     may spin and harvest in place of the receive loop (Stream.spin).
+//   - Timers: the lease timer (leaseTick settles the working flag), the idle
+//     timer (idleExpired) and deadline timers (they only close channels).
 //
 // Session.Close waits for the receive loop; timers are stopped by the
 // session's end.

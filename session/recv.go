@@ -1,9 +1,11 @@
 package session
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"runtime"
 	"sync"
@@ -57,47 +59,40 @@ const (
 	stateClosed = 1
 )
 
-// recvLoop reads control messages until the connection ends, except while
-// it has handed the baton to a stream's reader (ctlread.go).
+// recvLoop reads control messages until the connection ends.
 func (s *Session) recvLoop() {
 	defer func() {
 		close(s.rx.done)
 		s.unmapIfUnused()
 	}()
-	var small [wire.HeaderSize + maxSmallPayload]byte
+	r := bufio.NewReaderSize(s.conn, 64<<10)
+	var hdr [wire.HeaderSize]byte
+	var small [16]byte
 	for {
-		if s.rd.kick.Load() && !s.handOff() {
-			return // the session ended while a reader held the baton
-		}
-		h, malformed, err := s.peekMessage()
-		switch {
-		case malformed:
-			s.failOp("read", err)
-			return
-		case isTimeout(err) && !s.brokenPassed():
-			// A kick, or one that came after its baton came back.
-			if !s.rd.kick.Load() {
-				s.conn.SetReadDeadline(s.connDeadline())
+		if _, err := io.ReadFull(r, hdr[:]); err != nil {
+			if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+				// The peer may have put events (data, closes) and closed
+				// the connection before its Polling went out (the Rust
+				// crate's SessionManager::close does): deliver them.
+				if herr := s.harvest(); herr != nil && !errors.Is(herr, ErrSessionClosed) {
+					s.failOp("read", herr)
+					return
+				}
+				err = ErrPeerClosed
 			}
-			continue
-		case errors.Is(err, io.EOF):
-			// The peer may have put events (data, closes) and closed the
-			// connection before its Polling went out (the Rust crate's
-			// SessionManager::close does): deliver them.
-			if herr := s.harvest(); herr != nil && !errors.Is(herr, ErrSessionClosed) {
-				s.failOp("read", herr)
-				return
-			}
-			s.readFailed(ErrPeerClosed)
-			return
-		case err != nil:
 			s.readFailed(err)
+			return
+		}
+		// FallbackData of any length is taken in pieces (recvFallback);
+		// every other message after the handshake has at most 16 bytes.
+		h, err := wire.ParseHeader(hdr[:], math.MaxUint32)
+		if err != nil {
+			s.failOp("read", err)
 			return
 		}
 		n := int(h.Length) - wire.HeaderSize
 		if h.Type == wire.TypeFallbackData {
-			s.rd.r.Discard(wire.HeaderSize)
-			if rerr, err := s.recvFallback(loopReader{s}, n); rerr != nil {
+			if rerr, err := s.recvFallback(r, n); rerr != nil {
 				s.readFailed(rerr)
 				return
 			} else if err != nil {
@@ -106,31 +101,19 @@ func (s *Session) recvLoop() {
 			}
 			continue
 		}
-		if n > maxSmallPayload {
+		if n > len(small) {
 			s.failOp("read", fmt.Errorf("%w: %v of %d bytes", ErrProtocol, h.Type, h.Length))
 			return
 		}
-		s.rd.r.Read(small[:h.Length]) // peeked: all of it is buffered
-		if err := s.handle(h, small[wire.HeaderSize:h.Length]); err != nil {
+		payload := small[:n]
+		if _, err := io.ReadFull(r, payload); err != nil {
+			s.readFailed(err)
+			return
+		}
+		if err := s.handle(h, payload); err != nil {
 			s.failOp("read "+h.Type.String(), err)
 			return
 		}
-	}
-}
-
-// loopReader is the control connection as the receive loop reads the rest
-// of a message: a kick in the middle of it is ignored (the receive loop
-// hands the baton on after the message), the deadline writeFailed set is
-// not.
-type loopReader struct{ s *Session }
-
-func (l loopReader) Read(p []byte) (int, error) {
-	for {
-		n, err := l.s.rd.r.Read(p)
-		if n > 0 || !isTimeout(err) || l.s.brokenPassed() {
-			return n, err
-		}
-		l.s.conn.SetReadDeadline(l.s.connDeadline())
 	}
 }
 
@@ -710,9 +693,8 @@ func (st *Stream) tryRead(want int, f func(region *buffer.Region) error) (ran bo
 }
 
 // waitForData waits until something may have changed for a reader waiting
-// for want bytes: it spins on the receive queue first, for as long as the
-// stream's recent waits say it pays (idle.go), then sleeps until the
-// receive loop delivers. It returns a deadline error once the read
+// for want bytes: it spins on the receive queue first, then sleeps until
+// the receive loop delivers. It returns a deadline error once the read
 // deadline has passed. The caller holds rmu.
 func (st *Stream) waitForData(want int) error {
 	s := st.s
@@ -722,40 +704,21 @@ func (st *Stream) waitForData(want int) error {
 	default:
 	}
 	st.waited = true
-	start := time.Now()
-	switch st.spin(want, start, st.idle.budget(s.cfg.PollTime)) {
-	case spinGot:
-		s.ctr.spinHits.Add(1)
-		st.idle.record(time.Since(start), s.cfg.PollTime)
-		return nil
-	case spinEnded:
+	if st.spin(want) {
 		return nil
 	}
-	// About to sleep until the peer's wakeup: end any lease of the
-	// working flag, so that the peer wakes us, and read the wakeup
-	// ourselves if nobody else waits (ctlread.go).
+	// About to sleep until the receive loop delivers: end any lease of the
+	// working flag, so that the peer wakes us.
 	s.ctr.parks.Add(1)
 	s.rx.waiters.Add(1)
 	s.settle()
-	holding := st.takeBaton()
-	if !holding {
-		select {
-		case <-st.readCh:
-		case <-s.rd.offer:
-			holding = st.acceptOffer()
-		case <-s.dead:
-		case <-st.closedCh:
-		case <-st.rdl.wait():
-		}
+	select {
+	case <-st.readCh:
+	case <-s.dead:
+	case <-st.closedCh:
+	case <-st.rdl.wait():
 	}
-	giveBack := holding && st.readAsHolder(want)
 	s.rx.waiters.Add(-1)
-	if holding {
-		st.releaseBaton(giveBack)
-	}
-	if st.readyFor(want) {
-		st.idle.record(time.Since(start), s.cfg.PollTime)
-	}
 	return nil
 }
 
@@ -1050,55 +1013,49 @@ func (st *Stream) dropHeadLocked() {
 // checks of the clock, deadlines and the session's end.
 const spinBatch = 64
 
-// The outcomes of Stream.spin.
-const (
-	spinMissed = iota // it did not spin, or its budget ran out: sleep
-	spinGot           // the stream has what its reader waits for
-	spinEnded         // the stream or session ended, or the deadline passed
-)
-
 // spin waits for want bytes (or the stream's end) by spinning on the
 // receive queue itself, dispatching what it pops to every stream, for as
-// long as events keep coming and then budget more (a spin that began at
-// start). Meanwhile it holds the queue's working flag at 1, so the peer
-// sends no Polling (docs/protocol.md section 3.3): while traffic flows a
-// message costs no system call and no goroutine switch on either side.
-// One reader per session spins; spin returns spinMissed at once in the
-// others.
-func (st *Stream) spin(want int, start time.Time, budget time.Duration) int {
+// long as events keep coming and then Config.PollTime more. Meanwhile it
+// holds the queue's working flag at 1, so the peer sends no Polling
+// (docs/protocol.md section 3.3): while traffic flows a message costs no
+// system call and no goroutine switch on either side. One reader per
+// session spins; spin returns false at once in the others, and when its
+// time runs out; true when st may be readable, ended, closed or past its
+// read deadline.
+func (st *Stream) spin(want int) bool {
 	s := st.s
-	if budget <= 0 || !s.rx.spinning.CompareAndSwap(false, true) {
-		return spinMissed
+	if s.cfg.PollTime <= 0 || !s.rx.spinning.CompareAndSwap(false, true) {
+		return false
 	}
 	// Got what it waited for, the reader leases the working flag to its
 	// next spin; otherwise it settles the flag.
 	ready := false
 	defer func() { s.endSpin(ready) }()
-	idleSince := start
+	idleSince := time.Now()
 	for {
 		harvested, err := st.spinBatch(want)
 		if err != nil {
 			s.failOp("read", err)
-			return spinEnded
+			return true
 		}
 		if ready = st.readyFor(want); ready {
-			return spinGot
+			s.ctr.spinHits.Add(1)
+			return true
 		}
 		select {
 		case <-s.dead:
-			return spinEnded
+			return true
 		case <-st.closedCh:
-			return spinEnded
+			return true
 		case <-st.rdl.wait():
-			return spinEnded
+			return true
 		default:
 		}
-		now := time.Now()
-		if harvested {
+		if now := time.Now(); harvested {
 			idleSince = now
-		} else if now.Sub(idleSince) > budget {
+		} else if now.Sub(idleSince) > s.cfg.PollTime {
 			s.ctr.spinMisses.Add(1)
-			return spinMissed
+			return false
 		}
 		// Let the process's other goroutines run; the peer runs on its own.
 		runtime.Gosched()

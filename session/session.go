@@ -26,7 +26,6 @@ type Session struct {
 
 	shm   sharedMem  // the mapping, and what unread data may hold of it
 	rx    receiver   // who harvests the receive queue; spinning; the lease
-	rd    ctlReader  // who reads the control connection (ctlread.go)
 	ctl   *ctlWriter // writes on the control connection
 	putMu sync.Mutex // serializes puts on the send queue: it has one producer
 	ctr   counters
@@ -165,7 +164,6 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 		dead: make(chan struct{}),
 	}
 	s.rx.init(s)
-	s.rd.init(s)
 	s.shm.init(mem, &c)
 	s.announces = isClient && mem.features&featAnnounce != 0
 	c.Logger.Debug("shmlink: session started", "client", isClient, "version", version,
@@ -433,7 +431,6 @@ func (s *Session) fail(err error) {
 		}
 		s.mu.Unlock()
 		s.rx.leaseTimer.Stop()
-		s.rd.idleTimer.Stop()
 		s.stopKeepAlive()
 		switch {
 		case errors.Is(err, ErrProtocol) || errors.Is(err, buffer.ErrCorrupt) || errors.Is(err, queue.ErrCorrupt):

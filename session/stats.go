@@ -18,10 +18,9 @@ type Stats struct {
 	Spilled         uint64 // bytes received that were copied out of shared memory (Config.StreamMemoryLimit)
 	StreamsRefused  uint64 // streams a server refused: accept backlog or Config.MaxStreams full
 	AcksIgnored     uint64 // HotRestartAck messages that answered no HotRestart of ours
-	SpinHits        uint64 // reader waits that ended while spinning (docs/protocol.md section 12.2)
-	SpinMisses      uint64 // spins that ran out of time before data came
-	Parks           uint64 // reader waits that slept until the peer's wakeup
-	DirectWakeups   uint64 // wakeups a sleeping reader read from the connection itself (docs/protocol.md section 12.3)
+	SpinHits        uint64 // reader waits that ended while spinning (docs/protocol.md section 12)
+	SpinMisses      uint64 // spins that ran out of PollTime before data came
+	Parks           uint64 // reader waits that slept until the receive loop delivered
 	ActiveStreams   int    // streams the session tracks now
 	SlicesInUse     []int  // allocated slices per buffer list, by both sides
 }
@@ -36,7 +35,6 @@ type counters struct {
 	spilled                      atomic.Uint64
 	streamsRefused, acksIgnored  atomic.Uint64
 	spinHits, spinMisses, parks  atomic.Uint64
-	directWakeups                atomic.Uint64
 }
 
 // Stats returns a snapshot of the session's counters. SlicesInUse is nil
@@ -59,7 +57,6 @@ func (s *Session) Stats() Stats {
 		SpinHits:        s.ctr.spinHits.Load(),
 		SpinMisses:      s.ctr.spinMisses.Load(),
 		Parks:           s.ctr.parks.Load(),
-		DirectWakeups:   s.ctr.directWakeups.Load(),
 		ActiveStreams:   s.NumStreams(),
 	}
 	s.withMem(func(m *memory) error {

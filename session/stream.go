@@ -42,8 +42,6 @@ type Stream struct {
 	waited   bool         // the current read call waited for data
 	inRead   atomic.Bool  // a read call is running (read by the receive loop)
 	lastRead atomic.Int64 // when a recent read call ended, Unix ns (see endRead)
-	idle     idleLearner  // how the reader's recent waits went (idle.go)
-	inHandle atomic.Bool  // the reader, holding the baton, handles a message (ctlread.go)
 
 	// Write side, guarded by wmu: one write call at a time.
 	wmu       sync.Mutex
@@ -59,7 +57,6 @@ func newStream(s *Session, id uint32) *Stream {
 		id:       id,
 		readCh:   make(chan struct{}, 1),
 		closedCh: make(chan struct{}),
-		idle:     newIdleLearner(),
 		rdl:      makeDeadline(),
 		wdl:      makeDeadline(),
 	}
@@ -200,7 +197,6 @@ func (st *Stream) SetReadDeadline(t time.Time) error {
 		return ErrStreamClosed
 	}
 	st.rdl.set(t)
-	st.kickHolder()
 	return nil
 }
 
@@ -218,9 +214,6 @@ func (st *Stream) notifyRead() {
 	select {
 	case st.readCh <- struct{}{}:
 	default:
-	}
-	if !st.inHandle.Load() {
-		st.kickHolder() // it reads the connection, not readCh
 	}
 }
 
@@ -240,7 +233,6 @@ func (st *Stream) Close() error {
 	if !ok {
 		return ErrStreamClosed
 	}
-	st.kickHolder()
 	st.rdl.stop()
 	st.wdl.stop()
 	st.wmu.Lock()
