@@ -15,9 +15,13 @@ import (
 )
 
 // TestMain runs the test binary as the example's client process when it
-// is given -client, as runServer does in the tests; otherwise it runs the
-// tests.
+// is given -client, as runServer does in the tests, and as the server of
+// BenchmarkGRPC with benchServerEnv set; otherwise it runs the tests and
+// benchmarks.
 func TestMain(m *testing.M) {
+	if os.Getenv(benchServerEnv) != "" {
+		os.Exit(runBenchServer())
+	}
 	var o options
 	o.register(flag.CommandLine)
 	flag.Parse()
@@ -28,7 +32,9 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
-	os.Exit(m.Run())
+	code := m.Run()
+	stopBenchServer()
+	os.Exit(code)
 }
 
 // run runs the example's two processes, with the test binary as the client

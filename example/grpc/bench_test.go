@@ -1,0 +1,316 @@
+package main
+
+// BenchmarkGRPC: gRPC over shmlink against gRPC over a Unix socket and
+// TCP loopback, client and server in two processes, all transports in one
+// run so that the ratios are taken side by side (issue #16). It lives in
+// this module, not the main one, so that only this module depends on gRPC.
+//
+//	go test -run '^$' -bench BenchmarkGRPC -count 5 .
+//
+// The server is this test binary re-executed with benchServerEnv set.
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// benchServerEnv, set in the environment, makes the test binary the
+// benchmarks' server process (see TestMain).
+const benchServerEnv = "SHMLINK_GRPC_BENCH_SERVER"
+
+// The transports, by their benchmark names.
+var grpcTransports = []string{"shmlink", "uds", "tcp"}
+
+// runBenchServer serves the Echo service on a shmlink listener, a Unix
+// socket and TCP loopback, prints "ready <shmlink> <uds> <tcp>" and serves
+// until its standard input closes. It returns the process's exit code.
+func runBenchServer() int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, "grpc bench server:", err)
+		return 1
+	}
+	dir, err := os.MkdirTemp("", "shmlink-grpc-bench-")
+	if err != nil {
+		return fail(err)
+	}
+	defer os.RemoveAll(dir)
+	shmLn, err := shmlink.Listen("unix", filepath.Join(dir, "shm.sock"))
+	if err != nil {
+		return fail(err)
+	}
+	udsLn, err := net.Listen("unix", filepath.Join(dir, "uds.sock"))
+	if err != nil {
+		return fail(err)
+	}
+	tcpLn, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return fail(err)
+	}
+	var svc echoService
+	srv := grpc.NewServer()
+	srv.RegisterService(&echoServiceDesc, &svc)
+	for _, ln := range []net.Listener{shmLn, udsLn, tcpLn} {
+		go srv.Serve(ln)
+	}
+	fmt.Printf("ready %s %s %s\n", shmLn.Addr(), udsLn.Addr(), tcpLn.Addr())
+	io.Copy(io.Discard, os.Stdin)
+	srv.Stop()
+	return 0
+}
+
+// grpcBench is the running server process.
+type grpcBench struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	addrs map[string]string // by transport
+	err   error
+}
+
+var (
+	benchOnce sync.Once
+	benchSrv  grpcBench
+)
+
+// startBenchServer starts the server process once per run; stopBenchServer
+// (from TestMain) ends it.
+func startBenchServer(b *testing.B) *grpcBench {
+	benchOnce.Do(func() {
+		p := &benchSrv
+		exe, err := os.Executable()
+		if err != nil {
+			p.err = err
+			return
+		}
+		p.cmd = exec.Command(exe, "-test.run=^$", "-test.bench=^$")
+		p.cmd.Env = append(os.Environ(), benchServerEnv+"=1")
+		p.cmd.Stderr = os.Stderr
+		if p.stdin, p.err = p.cmd.StdinPipe(); p.err != nil {
+			return
+		}
+		stdout, err := p.cmd.StdoutPipe()
+		if err != nil {
+			p.err = err
+			return
+		}
+		if p.err = p.cmd.Start(); p.err != nil {
+			return
+		}
+		line, err := bufio.NewReader(stdout).ReadString('\n')
+		f := strings.Fields(line)
+		if err != nil || len(f) != 4 || f[0] != "ready" {
+			p.err = fmt.Errorf("grpc bench server said %q: %v", line, err)
+			return
+		}
+		p.addrs = map[string]string{"shmlink": f[1], "uds": f[2], "tcp": f[3]}
+	})
+	if benchSrv.err != nil {
+		b.Fatal(benchSrv.err)
+	}
+	return &benchSrv
+}
+
+// stopBenchServer ends the server process, if a benchmark started it.
+func stopBenchServer() {
+	if p := &benchSrv; p.cmd != nil && p.cmd.Process != nil {
+		p.stdin.Close()
+		p.cmd.Wait()
+	}
+}
+
+// dialBench returns a client connection to the server over transport and
+// a function that closes it (and the shmlink Dialer behind it).
+func dialBench(b *testing.B, transport string) (echoClient, func()) {
+	p := startBenchServer(b)
+	addr := p.addrs[transport]
+	var dial func(ctx context.Context, _ string) (net.Conn, error)
+	closeDialer := func() {}
+	switch transport {
+	case "shmlink":
+		d := &shmlink.Dialer{}
+		dial = func(ctx context.Context, _ string) (net.Conn, error) { return d.DialContext(ctx, "unix", addr) }
+		closeDialer = func() { d.Close() }
+	default:
+		network := map[string]string{"uds": "unix", "tcp": "tcp"}[transport]
+		var d net.Dialer
+		dial = func(ctx context.Context, _ string) (net.Conn, error) { return d.DialContext(ctx, network, addr) }
+	}
+	cc, err := grpc.NewClient("passthrough:///bench", grpc.WithContextDialer(dial),
+		grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return echoClient{cc}, func() { cc.Close(); closeDialer() }
+}
+
+// BenchmarkGRPC: unary Echo calls of 64 B, 4 KB and 64 KB from 1 and 16
+// concurrent callers on one connection, and a bidirectional stream echoing
+// 64 B messages one at a time; each on idle cores and contended (another
+// process keeping every core busy). An op is one call or one echoed
+// message. It reports calls/s, the CPU time of both processes per op
+// (cpu-us/op) and, with one caller, the p50 and p99 of a call.
+func BenchmarkGRPC(b *testing.B) {
+	for _, load := range []string{"idle", "contended"} {
+		b.Run(load, func(b *testing.B) {
+			if load == "contended" {
+				peertest.StartHog(b)
+			}
+			for _, size := range []int{64, 4 << 10, 64 << 10} {
+				for _, callers := range []int{1, 16} {
+					if load == "contended" && size != 64 {
+						continue // the contended set: 64 B, enough to see the wakeups
+					}
+					b.Run(fmt.Sprintf("unary/%s/c%d", sizeName(size), callers), func(b *testing.B) {
+						for _, transport := range grpcTransports {
+							b.Run(transport, func(b *testing.B) { benchUnary(b, transport, size, callers) })
+						}
+					})
+				}
+			}
+			b.Run("bidi/64B", func(b *testing.B) {
+				for _, transport := range grpcTransports {
+					b.Run(transport, func(b *testing.B) { benchBidi(b, transport) })
+				}
+			})
+		})
+	}
+}
+
+// sizeName names a payload size: 64B, 4KB, 64KB.
+func sizeName(n int) string {
+	if n >= 1<<10 {
+		return fmt.Sprintf("%dKB", n>>10)
+	}
+	return fmt.Sprintf("%dB", n)
+}
+
+// benchUnary is one unary case of BenchmarkGRPC.
+func benchUnary(b *testing.B, transport string, size, callers int) {
+	c, closeConn := dialBench(b, transport)
+	defer closeConn()
+	ctx := context.Background()
+	call := func(req *wrapperspb.BytesValue) error {
+		resp, err := c.Echo(ctx, req)
+		if err != nil {
+			return err
+		}
+		if len(resp.Value) != size || resp.Value[0] != req.Value[0] || resp.Value[size-1] != req.Value[size-1] {
+			return fmt.Errorf("echo of %d bytes came back as %d bytes", size, len(resp.Value))
+		}
+		return nil
+	}
+	newReq := func(seed byte) *wrapperspb.BytesValue {
+		v := make([]byte, size)
+		for i := range v {
+			v[i] = seed + byte(i)
+		}
+		return &wrapperspb.BytesValue{Value: v}
+	}
+	for i := range 20 { // warm up: the connection, HTTP/2 windows, buffers
+		if err := call(newReq(byte(i))); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportAllocs()
+	cpu := peertest.NewCPUMeter(os.Getpid(), benchSrv.cmd.Process.Pid)
+	var lat peertest.Latencies
+	if callers == 1 {
+		lat = make(peertest.Latencies, 0, b.N)
+	}
+	var next atomic.Int64
+	var failed atomic.Pointer[error]
+	b.ResetTimer()
+	cpu.Start(b)
+	var wg sync.WaitGroup
+	for w := range callers {
+		req := newReq(byte(w))
+		wg.Go(func() {
+			for next.Add(1) <= int64(b.N) {
+				t0 := time.Now()
+				if err := call(req); err != nil {
+					failed.CompareAndSwap(nil, &err)
+					return
+				}
+				if callers == 1 {
+					lat = append(lat, time.Since(t0))
+				}
+			}
+		})
+	}
+	wg.Wait()
+	b.StopTimer()
+	if err := failed.Load(); err != nil {
+		b.Fatal(*err)
+	}
+	cpu.ReportCPU(b, b.N)
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "calls/s")
+	if callers == 1 {
+		lat.Report(b)
+	}
+}
+
+// benchBidi is the bidirectional case of BenchmarkGRPC: one EchoStream
+// call, a 64-byte message sent and its echo received per op.
+func benchBidi(b *testing.B, transport string) {
+	c, closeConn := dialBench(b, transport)
+	defer closeConn()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	stream, err := c.EchoStream(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	msg := &wrapperspb.BytesValue{Value: make([]byte, 64)}
+	roundTrip := func(i int) error {
+		msg.Value[0] = byte(i)
+		if err := stream.Send(msg); err != nil {
+			return err
+		}
+		resp, err := stream.Recv()
+		if err != nil {
+			return err
+		}
+		if len(resp.Value) != 64 || resp.Value[0] != byte(i) {
+			return fmt.Errorf("echo %d: got %d bytes starting %d", i, len(resp.Value), resp.Value[0])
+		}
+		return nil
+	}
+	for i := range 20 {
+		if err := roundTrip(i); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.ReportAllocs()
+	cpu := peertest.NewCPUMeter(os.Getpid(), benchSrv.cmd.Process.Pid)
+	lat := make(peertest.Latencies, 0, b.N)
+	b.ResetTimer()
+	cpu.Start(b)
+	for i := range b.N {
+		t0 := time.Now()
+		if err := roundTrip(i); err != nil {
+			b.Fatal(err)
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	b.StopTimer()
+	cpu.ReportCPU(b, b.N)
+	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "calls/s")
+	lat.Report(b)
+	stream.CloseSend()
+}
