@@ -19,6 +19,9 @@ func addStats(t *Stats, s session.Stats) {
 	t.Spilled += s.Spilled
 	t.StreamsRefused += s.StreamsRefused
 	t.AcksIgnored += s.AcksIgnored
+	t.SpinHits += s.SpinHits
+	t.SpinMisses += s.SpinMisses
+	t.Parks += s.Parks
 	t.ActiveStreams += s.ActiveStreams
 }
 
