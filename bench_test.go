@@ -11,7 +11,6 @@ package shmlink_test
 // 17-byte header the client sends first (benchHeader).
 
 import (
-	"bufio"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -25,7 +24,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"runtime/pprof"
@@ -291,8 +289,7 @@ func benchServe(c io.ReadWriteCloser) {
 
 // benchPeer is the running server process and the addresses it listens on.
 type benchPeer struct {
-	cmd   *exec.Cmd
-	stdin io.WriteCloser
+	srv   *peertest.BenchServer
 	dir   string
 	addrs map[string]string // by transport
 	err   error
@@ -313,28 +310,15 @@ func startBenchServer(b *testing.B) *benchPeer {
 		if p.err != nil {
 			return
 		}
-		p.cmd = peertest.Cmd("bench", peertest.Params{Dir: p.dir, CPUProfile: os.Getenv(benchProfileEnv)})
-		p.cmd.Env = append(p.cmd.Env, "QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING=true")
-		p.cmd.Stderr = os.Stderr
-		if p.stdin, p.err = p.cmd.StdinPipe(); p.err != nil {
+		var f []string
+		p.srv, f, p.err = peertest.StartBenchServer("bench",
+			peertest.Params{Dir: p.dir, CPUProfile: os.Getenv(benchProfileEnv)}, 7,
+			"QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING=true")
+		if p.err != nil {
 			return
 		}
-		stdout, err := p.cmd.StdoutPipe()
-		if err != nil {
-			p.err = err
-			return
-		}
-		if p.err = p.cmd.Start(); p.err != nil {
-			return
-		}
-		line, err := bufio.NewReader(stdout).ReadString('\n')
-		f := strings.Fields(line)
-		if err != nil || len(f) != 8 || f[0] != "ready" {
-			p.err = fmt.Errorf("bench server said %q: %v", line, err)
-			return
-		}
-		p.addrs = map[string]string{tShmlink: f[1], tShmlinkZC: f[1], tUDS: f[2], tTCP: f[3], tYamux: f[4], tQUIC: f[5],
-			httpPrefix + tShmlink: f[6], httpPrefix + tUDS: f[7]}
+		p.addrs = map[string]string{tShmlink: f[0], tShmlinkZC: f[0], tUDS: f[1], tTCP: f[2], tYamux: f[3], tQUIC: f[4],
+			httpPrefix + tShmlink: f[5], httpPrefix + tUDS: f[6]}
 	})
 	if benchServer.err != nil {
 		b.Fatal(benchServer.err)
@@ -344,9 +328,10 @@ func startBenchServer(b *testing.B) *benchPeer {
 
 // stopBenchServer ends the server process, if a benchmark started it.
 func stopBenchServer() {
-	if p := benchServer; p != nil && p.cmd != nil && p.cmd.Process != nil {
-		p.stdin.Close()
-		p.cmd.Wait()
+	if p := benchServer; p != nil {
+		if p.srv != nil {
+			p.srv.Stop()
+		}
 		os.RemoveAll(p.dir)
 	}
 }
@@ -478,7 +463,7 @@ func sizeName(n int) string {
 // benchCPU returns a meter of the CPU time of both processes of the
 // benchmarks: this one and the server.
 func benchCPU(b *testing.B) *peertest.CPUMeter {
-	return peertest.NewCPUMeter(os.Getpid(), startBenchServer(b).cmd.Process.Pid)
+	return peertest.NewCPUMeter(os.Getpid(), startBenchServer(b).srv.Pid())
 }
 
 // contended runs f twice as sub-benchmarks: "idle", as the machine is, and
@@ -908,39 +893,21 @@ func BenchmarkIdle(b *testing.B) {
 				b.Fatal(err)
 			}
 		}
-		self0, server0 := cpuTime(os.Getpid()), cpuTime(p.cmd.Process.Pid)
+		cpu := peertest.NewCPUMeter(os.Getpid())
+		server := peertest.NewCPUMeter(p.srv.Pid())
+		cpu.Start(b)
+		server.Start(b)
 		time.Sleep(idle) // the measurement window, not synchronisation
-		self1, server1 := cpuTime(os.Getpid()), cpuTime(p.cmd.Process.Pid)
+		self, srv := cpu.Stop(b), server.Stop(b)
 		w0 := sess.Stats().WakeupsSent
 		t0 := time.Now()
 		if err := rt(); err != nil {
 			b.Fatal(err)
 		}
 		first := time.Since(t0)
-		b.ReportMetric(100*float64(self1-self0)/float64(idle), "client-cpu-%")
-		b.ReportMetric(100*float64(server1-server0)/float64(idle), "server-cpu-%")
+		b.ReportMetric(100*float64(self)/float64(idle), "client-cpu-%")
+		b.ReportMetric(100*float64(srv)/float64(idle), "server-cpu-%")
 		b.ReportMetric(float64(first.Nanoseconds()), "first-rt-ns")
 		b.ReportMetric(float64(sess.Stats().WakeupsSent-w0), "wakeups")
 	}
-}
-
-// cpuTime returns the user+system CPU time process pid has used, from
-// /proc/<pid>/stat (in clock ticks of 10 ms, converted), or 0 on error.
-func cpuTime(pid int) time.Duration {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0
-	}
-	// Fields after the command name, which is in parentheses.
-	i := strings.LastIndexByte(string(b), ')')
-	if i < 0 {
-		return 0
-	}
-	f := strings.Fields(string(b[i+1:]))
-	if len(f) < 13 {
-		return 0
-	}
-	utime, _ := strconv.ParseInt(f[11], 10, 64)
-	stime, _ := strconv.ParseInt(f[12], 10, 64)
-	return time.Duration(utime+stime) * 10 * time.Millisecond
 }

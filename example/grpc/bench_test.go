@@ -7,18 +7,15 @@ package main
 //
 //	go test -run '^$' -bench BenchmarkGRPC -count 5 .
 //
-// The server is this test binary re-executed with benchServerEnv set.
+// The server is this test binary re-executed in the role benchRole.
 
 import (
-	"bufio"
 	"context"
 	"fmt"
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -31,9 +28,9 @@ import (
 	"google.golang.org/protobuf/types/known/wrapperspb"
 )
 
-// benchServerEnv, set in the environment, makes the test binary the
-// benchmarks' server process (see TestMain).
-const benchServerEnv = "SHMLINK_GRPC_BENCH_SERVER"
+// benchRole is the peertest role of the benchmarks' server process (see
+// TestMain).
+const benchRole = "grpc-bench"
 
 // The transports, by their benchmark names.
 var grpcTransports = []string{"shmlink", "uds", "tcp"}
@@ -41,7 +38,7 @@ var grpcTransports = []string{"shmlink", "uds", "tcp"}
 // runBenchServer serves the Echo service on a shmlink listener, a Unix
 // socket and TCP loopback, prints "ready <shmlink> <uds> <tcp>" and serves
 // until its standard input closes. It returns the process's exit code.
-func runBenchServer() int {
+func runBenchServer(peertest.Params) int {
 	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, "grpc bench server:", err)
 		return 1
@@ -75,11 +72,11 @@ func runBenchServer() int {
 	return 0
 }
 
-// grpcBench is the running server process.
+// grpcBench is the running server process and its addresses by
+// transport.
 type grpcBench struct {
-	cmd   *exec.Cmd
-	stdin io.WriteCloser
-	addrs map[string]string // by transport
+	srv   *peertest.BenchServer
+	addrs map[string]string
 	err   error
 }
 
@@ -92,33 +89,11 @@ var (
 // (from TestMain) ends it.
 func startBenchServer(b *testing.B) *grpcBench {
 	benchOnce.Do(func() {
-		p := &benchSrv
-		exe, err := os.Executable()
-		if err != nil {
-			p.err = err
-			return
+		var f []string
+		benchSrv.srv, f, benchSrv.err = peertest.StartBenchServer(benchRole, peertest.Params{}, 3)
+		if benchSrv.err == nil {
+			benchSrv.addrs = map[string]string{"shmlink": f[0], "uds": f[1], "tcp": f[2]}
 		}
-		p.cmd = exec.Command(exe, "-test.run=^$", "-test.bench=^$")
-		p.cmd.Env = append(os.Environ(), benchServerEnv+"=1")
-		p.cmd.Stderr = os.Stderr
-		if p.stdin, p.err = p.cmd.StdinPipe(); p.err != nil {
-			return
-		}
-		stdout, err := p.cmd.StdoutPipe()
-		if err != nil {
-			p.err = err
-			return
-		}
-		if p.err = p.cmd.Start(); p.err != nil {
-			return
-		}
-		line, err := bufio.NewReader(stdout).ReadString('\n')
-		f := strings.Fields(line)
-		if err != nil || len(f) != 4 || f[0] != "ready" {
-			p.err = fmt.Errorf("grpc bench server said %q: %v", line, err)
-			return
-		}
-		p.addrs = map[string]string{"shmlink": f[1], "uds": f[2], "tcp": f[3]}
 	})
 	if benchSrv.err != nil {
 		b.Fatal(benchSrv.err)
@@ -128,9 +103,8 @@ func startBenchServer(b *testing.B) *grpcBench {
 
 // stopBenchServer ends the server process, if a benchmark started it.
 func stopBenchServer() {
-	if p := &benchSrv; p.cmd != nil && p.cmd.Process != nil {
-		p.stdin.Close()
-		p.cmd.Wait()
+	if benchSrv.srv != nil {
+		benchSrv.srv.Stop()
 	}
 }
 
@@ -228,7 +202,7 @@ func benchUnary(b *testing.B, transport string, size, callers int) {
 		}
 	}
 	b.ReportAllocs()
-	cpu := peertest.NewCPUMeter(os.Getpid(), benchSrv.cmd.Process.Pid)
+	cpu := peertest.NewCPUMeter(os.Getpid(), benchSrv.srv.Pid())
 	var lat peertest.Latencies
 	if callers == 1 {
 		lat = make(peertest.Latencies, 0, b.N)
@@ -297,7 +271,7 @@ func benchBidi(b *testing.B, transport string) {
 		}
 	}
 	b.ReportAllocs()
-	cpu := peertest.NewCPUMeter(os.Getpid(), benchSrv.cmd.Process.Pid)
+	cpu := peertest.NewCPUMeter(os.Getpid(), benchSrv.srv.Pid())
 	lat := make(peertest.Latencies, 0, b.N)
 	b.ResetTimer()
 	cpu.Start(b)

@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"testing"
 
+	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/wrapperspb"
@@ -16,12 +17,10 @@ import (
 
 // TestMain runs the test binary as the example's client process when it
 // is given -client, as runServer does in the tests, and as the server of
-// BenchmarkGRPC with benchServerEnv set; otherwise it runs the tests and
-// benchmarks.
+// BenchmarkGRPC in the peertest role benchRole; otherwise it runs the
+// tests and benchmarks.
 func TestMain(m *testing.M) {
-	if os.Getenv(benchServerEnv) != "" {
-		os.Exit(runBenchServer())
-	}
+	peertest.Main(map[string]func(peertest.Params) int{benchRole: runBenchServer})
 	var o options
 	o.register(flag.CommandLine)
 	flag.Parse()

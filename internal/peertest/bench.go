@@ -1,19 +1,23 @@
 package peertest
 
 import (
+	"bufio"
 	"bytes"
 	"fmt"
+	"io"
 	"os"
+	"os/exec"
 	"runtime"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
 
 // Tools of the benchmarks (bench_test.go, example/grpc's benchmarks): the
-// CPU time of a process, a process that keeps every core busy, and the
-// percentiles of round-trip times.
+// server process, the CPU time of a process, a process that keeps every
+// core busy, and the percentiles of round-trip times.
 
 // CPUTime returns the CPU time the threads of process pid have used so
 // far, in nanoseconds of run time as the scheduler counts it (the first
@@ -145,4 +149,50 @@ func (l Latencies) Percentile(p float64) time.Duration {
 func (l Latencies) Report(b *testing.B) {
 	b.ReportMetric(float64(l.Percentile(50).Nanoseconds())/1e3, "p50-us")
 	b.ReportMetric(float64(l.Percentile(99).Nanoseconds())/1e3, "p99-us")
+}
+
+// A BenchServer is the server process of a run of benchmarks: the test
+// binary re-executed in a role that listens, prints "ready" and its
+// addresses on one line, and serves until its standard input closes.
+type BenchServer struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+}
+
+// StartBenchServer starts the test binary as a peer in role with p, plus
+// the environment variables env ("NAME=value"), and waits for its first
+// line of output, which must be "ready" and n addresses; it returns them.
+// The peer's standard error is this process's. Stop ends it.
+func StartBenchServer(role string, p Params, n int, env ...string) (*BenchServer, []string, error) {
+	cmd := Cmd(role, p)
+	cmd.Env = append(cmd.Env, env...)
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, nil, err
+	}
+	s := &BenchServer{cmd: cmd, stdin: stdin}
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	f := strings.Fields(line)
+	if err != nil || len(f) != n+1 || f[0] != "ready" {
+		s.Stop()
+		return nil, nil, fmt.Errorf("bench server %s said %q, want ready and %d addresses: %v", role, line, n, err)
+	}
+	return s, f[1:], nil
+}
+
+// Pid returns the server's process id.
+func (s *BenchServer) Pid() int { return s.cmd.Process.Pid }
+
+// Stop closes the server's standard input and waits for it to exit.
+func (s *BenchServer) Stop() {
+	s.stdin.Close()
+	s.cmd.Wait()
 }
