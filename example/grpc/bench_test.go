@@ -184,8 +184,12 @@ func benchUnary(b *testing.B, transport string, size, callers int) {
 		if err != nil {
 			return err
 		}
-		if len(resp.Value) != size || resp.Value[0] != req.Value[0] || resp.Value[size-1] != req.Value[size-1] {
+		if len(resp.Value) != size {
 			return fmt.Errorf("echo of %d bytes came back as %d bytes", size, len(resp.Value))
+		}
+		if resp.Value[0] != req.Value[0] || resp.Value[size-1] != req.Value[size-1] {
+			return fmt.Errorf("echo of %d bytes: first and last bytes %d, %d, want %d, %d",
+				size, resp.Value[0], resp.Value[size-1], req.Value[0], req.Value[size-1])
 		}
 		return nil
 	}
@@ -216,7 +220,10 @@ func benchUnary(b *testing.B, transport string, size, callers int) {
 		req := newReq(byte(w))
 		wg.Go(func() {
 			for next.Add(1) <= int64(b.N) {
-				t0 := time.Now()
+				var t0 time.Time
+				if callers == 1 { // the clock only where latencies are kept
+					t0 = time.Now()
+				}
 				if err := call(req); err != nil {
 					failed.CompareAndSwap(nil, &err)
 					return
@@ -260,8 +267,11 @@ func benchBidi(b *testing.B, transport string) {
 		if err != nil {
 			return err
 		}
-		if len(resp.Value) != 64 || resp.Value[0] != byte(i) {
-			return fmt.Errorf("echo %d: got %d bytes starting %d", i, len(resp.Value), resp.Value[0])
+		if len(resp.Value) != 64 {
+			return fmt.Errorf("echo %d: got %d bytes, want 64", i, len(resp.Value))
+		}
+		if resp.Value[0] != byte(i) {
+			return fmt.Errorf("echo %d: first byte %d, want %d", i, resp.Value[0], byte(i))
 		}
 		return nil
 	}
