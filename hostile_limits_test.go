@@ -97,12 +97,13 @@ func TestHostileStopsReading(t *testing.T) {
 }
 
 // FallbackData for a stream that nobody reads is kept only up to
-// Config.StreamHeapLimit; past it the peer loses its session, with an
+// Config.StreamHeapLimit; past it the server stops reading, and the peer
+// loses its session after Config.QueueFullTimeout without a read, with an
 // error that names the limit (#14: the server's heap grew with all the
 // peer sent, 257 MiB for 256 MiB).
 func TestHostileFallbackFlood(t *testing.T) {
 	proc, addr, dir := startServerPeerWith(t, "unix", map[string]any{
-		"StreamHeapLimit": 64 << 10, "MaxMessageSize": 64 << 10})
+		"StreamHeapLimit": 64 << 10, "MaxMessageSize": 64 << 10, "QueueFullTimeout": 500 * time.Millisecond})
 	p := dialHostile(t, addr)
 	require.NoError(t, p.conn.SetWriteDeadline(time.Now().Add(30*time.Second)))
 	// A stream that only writes (for ever: its writes wait for slices the
@@ -119,6 +120,7 @@ func TestHostileFallbackFlood(t *testing.T) {
 	waitHangup(t, p.conn)
 	requireStillServes(t, proc, addr, dir)
 	require.Contains(t, proc.Stderr(), "StreamHeapLimit", "the stream's error names the limit")
+	require.Contains(t, proc.Stderr(), "QueueFullTimeout", "and how long it waited for a reader")
 }
 
 // A peer that opens stream after stream, and never closes the ones the

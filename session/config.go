@@ -117,8 +117,10 @@ type Config struct {
 
 	// MaxMessageSize bounds, with StreamHeapLimit, the FallbackData bytes
 	// a stream may hold unread on the heap: max(StreamHeapLimit,
-	// MaxMessageSize) per stream, four times that per session; past it
-	// the session ends with an error naming the limits (docs/protocol.md
+	// MaxMessageSize) per stream, four times that per session. Past it
+	// the session stops reading its control connection until readers
+	// take some (the peer's writes wait), and ends with an error naming
+	// the limits once none has for QueueFullTimeout (docs/protocol.md
 	// section 13). A FallbackData of any length is taken in pieces as it
 	// arrives, so a peer's single flush larger than this works while its
 	// stream is read (shmipc-go and the Rust crate send a whole flush as
@@ -146,7 +148,9 @@ type Config struct {
 
 	// QueueFullTimeout is how long a write waits for room in a full IO queue
 	// before failing with ErrQueueFull, unless its deadline comes first.
-	// Default 5 s.
+	// It also bounds how long the peer's FallbackData waits for a reader
+	// to take bytes once a stream holds its limit of them on the heap
+	// (MaxMessageSize); past it the session ends. Default 5 s.
 	QueueFullTimeout time.Duration
 
 	// Fallback makes a writer that finds the buffer region exhausted send
@@ -201,7 +205,8 @@ type Config struct {
 	// heap after copying them out of shared memory (see StreamMemoryLimit).
 	// Past it messages stay in shared memory, the region fills, and the
 	// peer's writers wait for space (or fall back, by their Config). Bytes
-	// that arrive as FallbackData are always taken. Default
+	// that arrive as FallbackData are taken up to the larger of this and
+	// MaxMessageSize. Default
 	// 16 MiB; negative: nothing is copied out.
 	StreamHeapLimit int
 

@@ -144,10 +144,12 @@ func TestBoundedAdd(t *testing.T) {
 }
 
 // FallbackData for a stream nobody reads is taken only up to the limits
-// (docs/protocol.md section 13); past them the session ends with an error
+// (docs/protocol.md section 13); past them the receive loop waits for the
+// reader, and after Config.QueueFullTimeout the session ends with an error
 // that names them, instead of the heap growing with what the peer sends.
 func TestFallbackDataLimit(t *testing.T) {
-	client, server := pairWith(t, nil, &Config{StreamHeapLimit: 64 << 10, MaxMessageSize: 64 << 10})
+	client, server := pairWith(t, nil, &Config{StreamHeapLimit: 64 << 10, MaxMessageSize: 64 << 10,
+		QueueFullTimeout: 200 * time.Millisecond})
 	c, err := client.OpenStream(t.Context())
 	require.NoError(t, err)
 	accept(t, server) // and never read
@@ -163,6 +165,8 @@ func TestFallbackDataLimit(t *testing.T) {
 	}
 	waitDone(t, server.Done(), "the server's end")
 	require.ErrorContains(t, server.Err(), "StreamHeapLimit")
+	require.ErrorContains(t, server.Err(), "QueueFullTimeout")
+	require.LessOrEqual(t, server.shm.heapUnread.Load(), int64(256<<10), "the heap held past the limits")
 }
 
 // A peer that stops reading its control connection cannot block our
@@ -281,4 +285,66 @@ func TestHugeFallbackDataInPieces(t *testing.T) {
 	require.True(t, bytes.Equal(data, got), "%d bytes of %d, or different ones", len(got), n)
 	require.NoError(t, server.Err())
 	require.EqualValues(t, 1, server.Stats().FallbackReads)
+}
+
+// FallbackData past a stream's heap limit waits for its reader instead of
+// ending the session (#18: a shmipc-go peer writing 40 MiB on each of 20
+// streams at once lost its session), and while it waits, data of other
+// streams in shared memory still arrives: here the application reads the
+// other stream to its end before it reads the first one.
+func TestFallbackBackpressure(t *testing.T) {
+	mem, server, write := rawClient(t, nil, &Config{
+		StreamHeapLimit: 64 << 10, MaxMessageSize: 64 << 10, QueueFullTimeout: time.Minute})
+	announceRaw(t, mem, 2, write)
+	announceRaw(t, mem, 4, write)
+	a, b := accept(t, server), accept(t, server)
+	if a.ID() != 2 {
+		a, b = b, a
+	}
+	const n = 4 << 20 // 64 times the limit, in one message
+	data := randomBytes(n, 7)
+	sent := make(chan error, 1)
+	go func() {
+		msg := wire.AppendFallbackHeader(nil, 3, 2, stateClosed, n)
+		if err := write(append(msg, data...)); err != nil {
+			sent <- err
+			return
+		}
+		// The wakeup for stream 4's event comes only after the message
+		// that waits for stream 2's reader: the server has to find the
+		// event without it.
+		sent <- write(wire.AppendSimple(nil, 3, wire.TypePolling))
+	}()
+	eventually(t, func() bool { return a.Buffered() >= 64<<10 }, "stream 2's first bytes")
+	require.NoError(t, b.SetReadDeadline(time.Now().Add(10*time.Second)))
+	type result struct {
+		got []byte
+		err error
+	}
+	read := make(chan result, 1)
+	parks := server.Stats().Parks
+	go func() {
+		got, err := io.ReadAll(b)
+		read <- result{got, err}
+	}()
+	// Once stream 4's reader sleeps, no spin of its own finds the event.
+	eventually(t, func() bool { return server.Stats().Parks > parks }, "stream 4's reader asleep")
+	off, err := mem.region.Alloc(5)
+	require.NoError(t, err)
+	require.NoError(t, mem.region.SetPayload(off, 5))
+	p, _, _, err := mem.region.Payload(off)
+	require.NoError(t, err)
+	copy(p, "hello")
+	require.NoError(t, mem.send.Put(queue.Event{StreamID: 4, Offset: off, Status: stateClosed}))
+
+	r := <-read
+	require.NoError(t, r.err, "stream 4, behind stream 2's waiting FallbackData")
+	require.Equal(t, "hello", string(r.got))
+	require.NoError(t, a.SetReadDeadline(time.Now().Add(time.Minute)))
+	got, err := io.ReadAll(a)
+	require.NoError(t, err)
+	require.NoError(t, <-sent)
+	require.True(t, bytes.Equal(data, got), "%d bytes of %d, or different ones", len(got), n)
+	require.NoError(t, server.Err())
+	require.LessOrEqual(t, server.shm.heapUnread.Load(), int64(0))
 }

@@ -157,11 +157,71 @@ func (s *Session) recvFallback(r io.Reader, n int) (readErr, err error) {
 		if left == 0 {
 			st = status
 		}
-		if err := s.dispatch(queue.Event{StreamID: id, Status: st}, data); err != nil {
+		if err := s.deliverFallback(queue.Event{StreamID: id, Status: st}, data); err != nil {
 			return nil, err
 		}
 	}
 	return nil, nil
+}
+
+// deliverFallback dispatches a piece of FallbackData. While its stream, or
+// the session, holds too many unread bytes on the heap (Stream.pushBytes),
+// it waits for readers to take some, and so stops reading the control
+// connection: the peer's writes wait, as on a socket whose reader is slow
+// (docs/protocol.md section 13). Meanwhile it harvests the receive queue
+// every millisecond, so that other streams' data in shared memory still
+// arrives. It fails with the limit's error once no reader has taken a byte
+// for Config.QueueFullTimeout, or if the session ends.
+func (s *Session) deliverFallback(ev queue.Event, data []byte) error {
+	m := &s.shm
+	var (
+		tick  *time.Ticker
+		limit *time.Timer
+	)
+	defer func() {
+		if tick != nil {
+			m.heapWaiting.Store(false)
+			tick.Stop()
+			limit.Stop()
+		}
+	}()
+	for {
+		err := s.dispatch(ev, data)
+		var full *heapFullError
+		if !errors.As(err, &full) {
+			return err
+		}
+		if tick == nil {
+			// Set before the next try, so that a read after its check
+			// still signals heapTaken.
+			m.heapWaiting.Store(true)
+			tick = time.NewTicker(time.Millisecond)
+			limit = time.NewTimer(s.cfg.QueueFullTimeout)
+			continue
+		}
+		select {
+		case <-m.heapTaken:
+			limit.Reset(s.cfg.QueueFullTimeout)
+		case <-tick.C:
+		case <-limit.C:
+			return fmt.Errorf("%w, and its readers read nothing for %v (Config.QueueFullTimeout)", full, s.cfg.QueueFullTimeout)
+		case <-s.dead:
+			return ErrSessionClosed
+		}
+	}
+}
+
+// heapFullError is Stream.pushBytes's refusal: the stream, or the session,
+// holds more unread bytes on the heap than its limits allow.
+type heapFullError struct {
+	id                    uint32
+	stream, session       int64
+	streamMax, sessionMax int
+}
+
+func (e *heapFullError) Error() string {
+	return fmt.Sprintf("stream %d: %d unread bytes on the heap (session: %d) past the limit of %d per stream and %d per session (Config.StreamHeapLimit, MaxMessageSize)",
+		e.id, e.stream, e.session, e.streamMax, e.sessionMax)
 }
 
 // readFailed ends the session for a failed read: with the error of the
@@ -526,9 +586,10 @@ func (st *Stream) mustCopyOut(region *buffer.Region, charge, total int) bool {
 }
 
 // pushBytes queues data that came as FallbackData; the stream owns data.
-// It fails when the stream, or all streams of the session, already hold
-// more unread bytes on the heap than the limits allow (docs/protocol.md
-// section 13): the peer sends faster than the application reads.
+// It refuses data with a *heapFullError, queueing nothing, when the stream,
+// or all streams of the session, already hold more unread bytes on the
+// heap than the limits allow (docs/protocol.md section 13): the peer sends
+// faster than the application reads.
 func (st *Stream) pushBytes(data []byte) error {
 	m := &st.s.shm
 	st.mu.Lock()
@@ -537,8 +598,8 @@ func (st *Stream) pushBytes(data []byte) error {
 		return nil
 	}
 	if st.heap > m.socketLimit || m.heapUnread.Load() > 4*int64(m.socketLimit) {
-		err := fmt.Errorf("stream %d: %d unread bytes on the heap (session: %d) past the limit of %d per stream and %d per session (Config.StreamHeapLimit, MaxMessageSize)",
-			st.id, st.heap, m.heapUnread.Load(), m.socketLimit, 4*m.socketLimit)
+		err := &heapFullError{id: st.id, stream: int64(st.heap), session: m.heapUnread.Load(),
+			streamMax: m.socketLimit, sessionMax: 4 * m.socketLimit}
 		st.mu.Unlock()
 		return err
 	}
@@ -553,8 +614,15 @@ func (st *Stream) pushBytes(data []byte) error {
 // addHeap counts n unread bytes more (or fewer, if negative) held on the
 // heap by st and by its session. The caller holds st.mu.
 func (st *Stream) addHeap(n int) {
+	m := &st.s.shm
 	st.heap += n
-	st.s.shm.heapUnread.Add(int64(n))
+	m.heapUnread.Add(int64(n))
+	if n < 0 && m.heapWaiting.Load() {
+		select {
+		case m.heapTaken <- struct{}{}:
+		default:
+		}
+	}
 }
 
 // remoteClose records the peer's close: reads end with io.EOF once the data

@@ -65,13 +65,20 @@ type sharedMem struct {
 	// the region and copied out of it (Config.StreamMemoryLimit,
 	// Config.StreamHeapLimit).
 	streamLimit, heapLimit int
-	// heapUnread is the unread bytes all streams hold on the heap. A
-	// FallbackData is refused (the session ends) while its stream holds
-	// more than socketLimit bytes there, or all streams more than four
-	// times that: max(StreamHeapLimit, MaxMessageSize), so that a peer
-	// may always send one whole message of the largest size.
+	// heapUnread is the unread bytes all streams hold on the heap. No
+	// FallbackData is delivered while its stream holds more than
+	// socketLimit bytes there, or all streams more than four times that:
+	// max(StreamHeapLimit, MaxMessageSize), so that a peer may always send
+	// one whole message of the largest size. The receive loop waits for
+	// readers then, and ends the session if none reads for
+	// Config.QueueFullTimeout.
 	heapUnread  atomic.Int64
 	socketLimit int
+	// heapWaiting is set while the receive loop waits for readers to take
+	// heap bytes before it delivers more FallbackData (recvFallback);
+	// heapTaken (cap 1) then says that a reader took some.
+	heapWaiting atomic.Bool
+	heapTaken   chan struct{}
 	// pressureBytes is the free capacity of the region (a quarter of it)
 	// below which those limits apply: with more free, nobody waits for
 	// slices and copying out would only slow the reader down.
@@ -179,6 +186,7 @@ func (m *sharedMem) init(mem *memory, c *Config) {
 	slices, dataBytes := mem.region.Capacity()
 	m.maxLinks = slices
 	m.pressureBytes = dataBytes / 4
+	m.heapTaken = make(chan struct{}, 1)
 	m.heapLimit = max(c.StreamHeapLimit, 0)
 	m.socketLimit = max(m.heapLimit, c.MaxMessageSize)
 	switch {
