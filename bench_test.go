@@ -72,9 +72,11 @@ const (
 	tTCP       = "tcp"
 	tYamux     = "yamux"
 	tQUIC      = "quic"
+	// tQUICShmlink is shmlink's own "quic" network, over quic-go.
+	tQUICShmlink = "quic-shmlink"
 )
 
-var benchTransports = []string{tShmlink, tShmlinkZC, tUDS, tTCP, tYamux, tQUIC}
+var benchTransports = []string{tShmlink, tShmlinkZC, tUDS, tTCP, tYamux, tQUIC, tQUICShmlink}
 
 // benchALPN is the TLS application protocol of the QUIC transport.
 const benchALPN = "shmlink-bench"
@@ -158,6 +160,10 @@ func runBenchServer(p peertest.Params) int {
 	if err != nil {
 		return fail(err)
 	}
+	qsLn, err := (&shmlink.ListenConfig{TLSConfig: tlsConf}).Listen(context.Background(), "quic", "127.0.0.1:0")
+	if err != nil {
+		return fail(err)
+	}
 	shmHTTPLn, err := shmlink.Listen("unix", filepath.Join(dir, "shm-http.sock"))
 	if err != nil {
 		return fail(err)
@@ -166,7 +172,7 @@ func runBenchServer(p peertest.Params) int {
 	if err != nil {
 		return fail(err)
 	}
-	fmt.Printf("ready %s %s %s %s %s %s %s\n", shmLn.Addr(), udsLn.Addr(), tcpLn.Addr(), yLn.Addr(), qLn.Addr(), shmHTTPLn.Addr(), udsHTTPLn.Addr())
+	fmt.Printf("ready %s %s %s %s %s %s %s %s\n", shmLn.Addr(), udsLn.Addr(), tcpLn.Addr(), yLn.Addr(), qLn.Addr(), shmHTTPLn.Addr(), udsHTTPLn.Addr(), qsLn.Addr())
 	httpSrv := &http.Server{Handler: http.HandlerFunc(serveHTTPBench)}
 	go httpSrv.Serve(shmHTTPLn)
 	go httpSrv.Serve(udsHTTPLn)
@@ -184,6 +190,7 @@ func runBenchServer(p peertest.Params) int {
 	go serveAll(shmLn, plain)
 	go serveAll(udsLn, plain)
 	go serveAll(tcpLn, plain)
+	go serveAll(qsLn, plain)
 	go serveAll(yLn, func(c net.Conn) {
 		cfg := yamux.DefaultConfig()
 		cfg.LogOutput = io.Discard
@@ -217,6 +224,7 @@ func runBenchServer(p peertest.Params) int {
 	shmLn.Close()
 	udsLn.Close()
 	tcpLn.Close()
+	qsLn.CloseSessions()
 	yLn.Close()
 	qLn.Close()
 	return 0
@@ -312,13 +320,13 @@ func startBenchServer(b *testing.B) *benchPeer {
 		}
 		var f []string
 		p.srv, f, p.err = peertest.StartBenchServer("bench",
-			peertest.Params{Dir: p.dir, CPUProfile: os.Getenv(benchProfileEnv)}, 7,
+			peertest.Params{Dir: p.dir, CPUProfile: os.Getenv(benchProfileEnv)}, 8,
 			"QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING=true")
 		if p.err != nil {
 			return
 		}
 		p.addrs = map[string]string{tShmlink: f[0], tShmlinkZC: f[0], tUDS: f[1], tTCP: f[2], tYamux: f[3], tQUIC: f[4],
-			httpPrefix + tShmlink: f[5], httpPrefix + tUDS: f[6]}
+			httpPrefix + tShmlink: f[5], httpPrefix + tUDS: f[6], tQUICShmlink: f[7]}
 	})
 	if benchServer.err != nil {
 		b.Fatal(benchServer.err)
@@ -378,6 +386,12 @@ func newBenchClient(b *testing.B, transport string) *benchClient {
 		return &benchClient{
 			dial:  func() (io.ReadWriteCloser, error) { return s.Open() },
 			close: func() { s.Close() },
+		}
+	case tQUICShmlink:
+		d := &shmlink.Dialer{TLSConfig: &tls.Config{InsecureSkipVerify: true}}
+		return &benchClient{
+			dial:  func() (io.ReadWriteCloser, error) { return d.Dial("quic", addr) },
+			close: func() { d.Close() },
 		}
 	case tQUIC:
 		tlsConf := &tls.Config{InsecureSkipVerify: true, NextProtos: []string{benchALPN}}

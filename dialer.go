@@ -3,11 +3,13 @@ package shmlink
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"errors"
 	"net"
 	"sync"
 	"time"
 
+	"github.com/quic-go/quic-go"
 	"github.com/shmlink/shmlink/session"
 )
 
@@ -19,8 +21,13 @@ func Dial(network, address string) (net.Conn, error) {
 }
 
 // DialContext is Dial with a context that bounds the connection and the
-// handshake.
+// handshake. The "quic" network needs a Dialer with TLSConfig: here it
+// returns a *ConfigError.
 func DialContext(ctx context.Context, network, address string) (net.Conn, error) {
+	if network == "quic" {
+		_, err := quicTLS(nil, false) // the "quic" network needs a Dialer with TLSConfig
+		return nil, err
+	}
 	s, err := dialSession(ctx, nil, network, address)
 	if err != nil {
 		return nil, err
@@ -117,7 +124,22 @@ type Dialer struct {
 	// means sessions are kept until Close.
 	IdleTimeout time.Duration
 
+	// TLSConfig is the client's TLS configuration on the "quic" network,
+	// where it is required (nil is a *ConfigError): RootCAs to verify the
+	// server (or InsecureSkipVerify, for tests only), and Certificates
+	// when the server asks for a client certificate (mutual TLS). The
+	// Dialer copies it for each connection, sets NextProtos to shmlink's
+	// ALPN, the minimum version to TLS 1.3, and ServerName to the
+	// address's host when empty. Other networks ignore it.
+	TLSConfig *tls.Config
+
+	// QUICConfig tunes the "quic" network's connections; nil, or a field
+	// left zero, means shmlink's defaults (see ListenConfig.QUICConfig).
+	// Other networks ignore it.
+	QUICConfig *quic.Config
+
 	mu     sync.Mutex
+	quic   *quicDialer             // the "quic" network's side, from its first dial
 	pools  map[string]*sessionPool // by network + " " + address
 	closed bool
 	live   map[*session.Session]struct{} // every session until it ends
@@ -186,7 +208,12 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 	return d.DialContext(context.Background(), network, address)
 }
 
-// DialContext opens a stream to network ("unix" or "tcp") and address on
+// DialContext opens a stream to network ("unix", "tcp" or "quic") and
+// address. On "quic" (docs/protocol.md section 15) it opens a QUIC stream
+// on the Dialer's one QUIC connection to address, dialed with TLSConfig
+// at the first dial and again once it ended; the server's Accept returns
+// the stream at once (a 1-byte preamble announces it). Otherwise it
+// opens the stream on
 // one of the Dialer's sessions, dialing and handshaking a new session when
 // the pool calls for one (see Dialer). Concurrent dials share one
 // handshake. A shmlink server's Accept returns the stream before any byte
@@ -196,6 +223,9 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 // net.ErrClosed) after Close, ctx.Err() when ctx is done first, and the
 // dial or handshake error.
 func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
+	if network == "quic" {
+		return d.dialQUIC(ctx, address)
+	}
 	st, err := d.DialStream(ctx, network, address)
 	if err != nil {
 		return nil, err // an untyped nil
@@ -209,6 +239,9 @@ func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.
 func (d *Dialer) DialStream(ctx context.Context, network, address string) (*Stream, error) {
 	if err := checkNetwork(network); err != nil {
 		return nil, err
+	}
+	if network == "quic" {
+		return nil, &net.OpError{Op: "dial", Net: network, Err: ErrNoSharedMemory}
 	}
 	if err := d.validate(); err != nil {
 		return nil, err
@@ -330,6 +363,7 @@ func (d *Dialer) Close() error {
 			s.Close()
 		}
 	}
+	d.closeQUIC()
 	return nil
 }
 
@@ -356,7 +390,14 @@ func (d *Dialer) track(s *session.Session) {
 func (d *Dialer) Stats() Stats {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return sumStats(d.ended, d.live)
+	t := sumStats(d.ended, d.live)
+	if q := d.quic; q != nil {
+		addQUICStats(&t, q.ended)
+		for qc := range q.live {
+			addQUICStats(&t, qc.stats())
+		}
+	}
+	return t
 }
 
 // NumSessions returns the number of live sessions the Dialer holds, over
@@ -371,6 +412,9 @@ func (d *Dialer) NumSessions() int {
 			delete(d.pools, key)
 		}
 		n += len(p.sessions) + len(p.draining)
+	}
+	if d.quic != nil {
+		n += len(d.quic.live)
 	}
 	return n
 }

@@ -11,8 +11,8 @@ import (
 
 var (
 	// ErrNetwork is returned by Listen and Dial for a network other than
-	// "unix" and "tcp" (and "tcp4", "tcp6").
-	ErrNetwork = errors.New("shmlink: network must be unix or tcp")
+	// "unix", "tcp" (and "tcp4", "tcp6") and "quic".
+	ErrNetwork = errors.New("shmlink: network must be unix, tcp or quic")
 
 	// ErrNotLoopback is returned by Listen for a "tcp", "tcp4" or "tcp6"
 	// address that is not, or does not resolve only to, a loopback address

@@ -3,6 +3,7 @@ package shmlink
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -11,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/quic-go/quic-go"
 	"github.com/shmlink/shmlink/internal/sock"
 	"github.com/shmlink/shmlink/internal/upgrade"
 	"github.com/shmlink/shmlink/session"
@@ -29,7 +31,7 @@ const defaultDrainTimeout = 10 * time.Second
 // wrapping ErrNetwork.
 func checkNetwork(network string) error {
 	switch network {
-	case "unix", "tcp", "tcp4", "tcp6":
+	case "unix", "tcp", "tcp4", "tcp6", "quic":
 		return nil
 	}
 	return fmt.Errorf("%w: %q", ErrNetwork, network)
@@ -84,9 +86,29 @@ type ListenConfig struct {
 	// it closes those left. Zero means 10 s;
 	// negative is invalid. Only used with UpgradeSocket.
 	DrainTimeout time.Duration
+
+	// TLSConfig is the server's TLS configuration on the "quic" network,
+	// where it is required (nil is a *ConfigError), with a certificate
+	// (Certificates, GetCertificate or GetConfigForClient). Listen copies
+	// it, sets NextProtos to shmlink's ALPN and the minimum version to
+	// TLS 1.3, as QUIC requires. Set ClientAuth and ClientCAs for mutual
+	// TLS. Other networks ignore it.
+	TLSConfig *tls.Config
+
+	// QUICConfig tunes the "quic" network's connections; nil, or a field
+	// left zero, means shmlink's defaults for a LAN: keepalive every 15 s,
+	// idle timeout 1 min, 4096 concurrent streams per connection, receive
+	// windows growing up to 16 MiB per stream and 64 MiB per connection
+	// (docs/protocol.md section 15). Listen copies it. Other networks
+	// ignore it.
+	QUICConfig *quic.Config
 }
 
-// Listen listens on network ("unix" or "tcp") at address. Every client
+// Listen listens on network ("unix", "tcp" or "quic") at address. On
+// "quic" (docs/protocol.md section 15) it listens on a UDP address with
+// TLSConfig, for peers on other hosts, and nothing goes through shared
+// memory; UpgradeSocket is not supported there yet (a *ConfigError), and
+// the rest of this comment is about "unix" and "tcp". Every client
 // connection runs its handshake in its own goroutine, bounded by
 // Config.HandshakeTimeout, so a slow or silent client never delays others;
 // a failed handshake closes that connection and is logged to
@@ -108,6 +130,9 @@ func (lc *ListenConfig) Listen(ctx context.Context, network, address string) (*L
 			return nil, err
 		}
 		cfg = *lc.Config
+	}
+	if network == "quic" {
+		return lc.listenQUIC(address, cfg)
 	}
 	if lc.UpgradeSocket != "" {
 		return lc.listenUpgradable(ctx, network, address, cfg)
@@ -161,6 +186,8 @@ func (lc *ListenConfig) checkTakenOver(ln net.Listener) error {
 // Listener accepts streams from any number of client processes. It is a
 // net.Listener; Accept returns *Stream values.
 type Listener struct {
+	q *quicListener // the "quic" network's side; nil on the others
+
 	ln  net.Listener
 	cfg Config
 	up  *upgrade.Upgrader // hot upgrade; nil without ListenConfig.UpgradeSocket
@@ -185,7 +212,7 @@ type Listener struct {
 // newListener starts a Listener accepting on ln; up is its hot-upgrade
 // side, nil without ListenConfig.UpgradeSocket, which the caller starts.
 func newListener(ln net.Listener, cfg Config, up *upgrade.Upgrader) *Listener {
-	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+	cfg = withLogger(cfg)
 	l := &Listener{
 		ln:         ln,
 		cfg:        cfg,
@@ -200,8 +227,20 @@ func newListener(ln net.Listener, cfg Config, up *upgrade.Upgrader) *Listener {
 	return l
 }
 
-// Addr returns the listener's network address.
-func (l *Listener) Addr() net.Addr { return l.ln.Addr() }
+// withLogger returns cfg with a Logger that discards if it had none.
+func withLogger(cfg Config) Config {
+	cfg.Logger = cmp.Or(cfg.Logger, slog.New(slog.DiscardHandler))
+	return cfg
+}
+
+// Addr returns the listener's network address: a *net.UDPAddr on the
+// "quic" network.
+func (l *Listener) Addr() net.Addr {
+	if l.q != nil {
+		return l.q.udp.LocalAddr()
+	}
+	return l.ln.Addr()
+}
 
 // Accept waits for the next stream opened by any client and returns it. It
 // returns an error satisfying errors.Is(err, net.ErrClosed) after Close,
@@ -209,6 +248,9 @@ func (l *Listener) Addr() net.Addr { return l.ln.Addr() }
 // handed over to a new process and drained, and the underlying listener's
 // error if that failed.
 func (l *Listener) Accept() (net.Conn, error) {
+	if l.q != nil {
+		return l.q.accept(l)
+	}
 	st, err := l.AcceptStream()
 	if err != nil {
 		return nil, err // an untyped nil
@@ -218,8 +260,12 @@ func (l *Listener) Accept() (net.Conn, error) {
 
 // AcceptStream is Accept returning the *Stream, whose zero-copy calls
 // (Reserve, Peek, ReadBytes, ReadChunk) then need no type assertion. It
-// returns the errors Accept returns.
+// returns the errors Accept returns, and ErrNoSharedMemory (wrapped) on
+// the "quic" network, whose streams only Accept returns.
 func (l *Listener) AcceptStream() (*Stream, error) {
+	if l.q != nil {
+		return nil, l.closedError("accept", ErrNoSharedMemory)
+	}
 	select {
 	case <-l.ctx.Done():
 	default:
@@ -239,7 +285,11 @@ func (l *Listener) AcceptStream() (*Stream, error) {
 
 // closedError is the error of op on a listener closed for err.
 func (l *Listener) closedError(op string, err error) error {
-	return &net.OpError{Op: op, Net: l.ln.Addr().Network(), Addr: l.ln.Addr(), Err: err}
+	nw := "quic"
+	if l.q == nil {
+		nw = l.ln.Addr().Network()
+	}
+	return &net.OpError{Op: op, Net: nw, Addr: l.Addr(), Err: err}
 }
 
 // Close stops listening, as a net.Listener's Close does, and nothing
@@ -251,6 +301,13 @@ func (l *Listener) closedError(op string, err error) error {
 // return an error satisfying errors.Is(err, net.ErrClosed). Shutdown waits
 // for the sessions to end; CloseSessions ends them at once.
 func (l *Listener) Close() error {
+	if l.q != nil {
+		if err := l.q.close(); errors.Is(err, net.ErrClosed) {
+			return l.closedError("close", err)
+		} else {
+			return err
+		}
+	}
 	err := l.closedError("close", net.ErrClosed)
 	l.closeOnce.Do(func() {
 		l.stop()
@@ -285,7 +342,11 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 	l.Close()
 	ended := make(chan struct{})
 	go func() {
-		l.wg.Wait()
+		if l.q != nil {
+			l.q.wg.Wait()
+		} else {
+			l.wg.Wait()
+		}
 		close(ended)
 	}()
 	select {
@@ -304,6 +365,11 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 // number of sessions it ended.
 func (l *Listener) CloseSessions() int {
 	l.Close()
+	if l.q != nil {
+		n := l.q.closeConns()
+		l.q.wg.Wait()
+		return n
+	}
 	n := l.closeSessions()
 	l.wg.Wait()
 	return n
@@ -335,6 +401,9 @@ func (l *Listener) closeSessions() int {
 // ones, and SlicesInUse is nil (each session has a region of its own).
 // Publish it with expvar.Func for a /debug/vars page (see the example).
 func (l *Listener) Stats() Stats {
+	if l.q != nil {
+		return l.q.stats()
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return sumStats(l.ended, l.sessions)
@@ -342,6 +411,9 @@ func (l *Listener) Stats() Stats {
 
 // NumSessions returns the number of live sessions the listener tracks.
 func (l *Listener) NumSessions() int {
+	if l.q != nil {
+		return l.q.numConns()
+	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.sessions)

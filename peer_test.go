@@ -33,6 +33,8 @@ func TestMain(m *testing.M) {
 // peertest.ServeStream until standard input closes, then ends the
 // listener and its sessions (CloseSessions), prints "closed", and exits 0
 // (1 on any error). p.Config, if set, holds the fields of its Config beside ShmDir.
+// On the "quic" network it serves with the TLS material in p.Dir
+// (peertest.WriteTLS), requiring client certificates in Mode "mtls".
 func runServer(p peertest.Params) int {
 	var cfg shmlink.Config
 	if len(p.Config) > 0 {
@@ -43,6 +45,13 @@ func runServer(p peertest.Params) int {
 	}
 	cfg.ShmDir = p.ShmDir
 	lc := shmlink.ListenConfig{Config: &cfg}
+	if p.Network == "quic" { // TLS material from WriteTLS in p.Dir
+		var err error
+		if lc.TLSConfig, _, err = peertest.LoadTLS(p.Dir, p.Mode == "mtls"); err != nil {
+			fmt.Fprintln(os.Stderr, "tls:", err)
+			return 1
+		}
+	}
 	ln, err := lc.Listen(context.Background(), p.Network, p.Addr)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "listen:", err)

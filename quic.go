@@ -1,0 +1,447 @@
+package shmlink
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/quic-go/quic-go"
+)
+
+// The QUIC mode: network "quic" carries each stream as one QUIC stream of
+// a connection between two hosts (docs/protocol.md section 15). Nothing of
+// it touches shared memory.
+
+// quicALPN is the TLS application protocol of shmlink over QUIC; both
+// sides set it, so a QUIC peer of another protocol fails the handshake.
+const quicALPN = "shmlink/1"
+
+// quicPreamble is the first byte a client writes on every stream it opens.
+// A QUIC stream reaches the server only with its first frame: the preamble
+// makes Accept return at dial time, as over shared memory, so that servers
+// that speak first work. The server checks and drops it.
+const quicPreamble byte = 0x01
+
+// Application error codes of the QUIC mode (docs/protocol.md section 15).
+const (
+	quicCodeClosed      = 0 // Close of a stream or a connection
+	quicCodeRefused     = 1 // a stream refused: the listener is closed
+	quicCodeBadPreamble = 2 // a stream that did not start with quicPreamble
+)
+
+// Defaults of the QUIC mode, for a LAN: windows large enough for bulk
+// transfer at a millisecond's round trip, and a keepalive well inside the
+// idle timeout so that NAT and firewall state stays fresh.
+const (
+	defaultQUICKeepAlive      = 15 * time.Second
+	defaultQUICIdleTimeout    = time.Minute
+	defaultQUICStreams        = 4096     // concurrent streams a peer may open
+	defaultQUICStreamWindow   = 16 << 20 // bytes, most per stream
+	defaultQUICConnWindow     = 64 << 20 // bytes, most per connection
+	quicUDPBuffer             = 7 << 20  // bytes; quic-go's guidance for its socket buffers
+	quicHandshakeIdleFallback = 5 * time.Second
+	// defaultQUICPreambleTimeout bounds the wait for a new stream's
+	// preamble when Config.HandshakeTimeout is zero.
+	defaultQUICPreambleTimeout = 3 * time.Second
+)
+
+// ErrNoSharedMemory is returned (wrapped) by Listener.AcceptStream and
+// Dialer.DialStream on the "quic" network: a QUIC stream has no shared
+// memory, so there is no *Stream and no zero-copy call for it. Use Accept
+// and DialContext, which return it as a net.Conn.
+var ErrNoSharedMemory = errors.New("shmlink: a QUIC stream has no shared memory (no *Stream, no zero-copy calls)")
+
+// quicBufferWarning logs, once per process, that the kernel capped the UDP
+// socket buffers below quic-go's guidance.
+var quicBufferWarning sync.Once
+
+// quicTLS returns a copy of c for the QUIC mode, or a *ConfigError when c
+// is nil or cannot serve (server: no certificate). NextProtos is set to
+// shmlink's ALPN, and TLS 1.3 is the minimum, as QUIC requires.
+func quicTLS(c *tls.Config, server bool) (*tls.Config, error) {
+	field := "Dialer.TLSConfig"
+	if server {
+		field = "ListenConfig.TLSConfig"
+	}
+	if c == nil {
+		return nil, &ConfigError{Field: field, Reason: `nil: the "quic" network needs TLS`}
+	}
+	if server && len(c.Certificates) == 0 && c.GetCertificate == nil && c.GetConfigForClient == nil {
+		return nil, &ConfigError{Field: field, Reason: "no certificate to serve"}
+	}
+	if c.MaxVersion != 0 && c.MaxVersion < tls.VersionTLS13 {
+		return nil, &ConfigError{Field: field, Reason: "MaxVersion below TLS 1.3, which QUIC requires"}
+	}
+	out := c.Clone()
+	out.NextProtos = []string{quicALPN}
+	out.MinVersion = tls.VersionTLS13
+	return out, nil
+}
+
+// quicConfig returns a copy of c (nil: the defaults) with shmlink's
+// defaults in the fields left zero.
+func quicConfig(c *quic.Config) *quic.Config {
+	out := &quic.Config{}
+	if c != nil {
+		out = c.Clone()
+	}
+	if out.KeepAlivePeriod == 0 {
+		out.KeepAlivePeriod = defaultQUICKeepAlive
+	}
+	if out.MaxIdleTimeout == 0 {
+		out.MaxIdleTimeout = defaultQUICIdleTimeout
+	}
+	if out.HandshakeIdleTimeout == 0 {
+		out.HandshakeIdleTimeout = quicHandshakeIdleFallback
+	}
+	if out.MaxIncomingStreams == 0 {
+		out.MaxIncomingStreams = defaultQUICStreams
+	}
+	if out.MaxStreamReceiveWindow == 0 {
+		out.MaxStreamReceiveWindow = defaultQUICStreamWindow
+	}
+	if out.MaxConnectionReceiveWindow == 0 {
+		out.MaxConnectionReceiveWindow = defaultQUICConnWindow
+	}
+	return out
+}
+
+// quicUDP listens on a UDP socket at address (":0" for a client) and sizes
+// its buffers as quic-go advises. When the kernel caps them (net.core.
+// rmem_max, wmem_max), it says so once through logger instead of quic-go's
+// own print to standard error.
+func quicUDP(address string, logger *slog.Logger) (*net.UDPConn, error) {
+	ua, err := net.ResolveUDPAddr("udp", address)
+	if err != nil {
+		return nil, err
+	}
+	c, err := net.ListenUDP("udp", ua)
+	if err != nil {
+		return nil, err
+	}
+	c.SetReadBuffer(quicUDPBuffer)
+	c.SetWriteBuffer(quicUDPBuffer)
+	rcv, snd := udpBuffers(c)
+	if rcv < quicUDPBuffer || snd < quicUDPBuffer {
+		quicBufferWarning.Do(func() {
+			logger.Warn("shmlink: the kernel capped the QUIC socket buffers; raise net.core.rmem_max and wmem_max for bulk transfer (https://github.com/quic-go/quic-go/wiki/UDP-Buffer-Sizes)",
+				"receive", rcv, "send", snd, "want", quicUDPBuffer)
+			// quic-go would print the same to standard error: said once here.
+			os.Setenv("QUIC_GO_DISABLE_RECEIVE_BUFFER_WARNING", "true")
+		})
+	}
+	return c, nil
+}
+
+// udpBuffers returns the socket buffer sizes of c in bytes, as the kernel
+// counts them for data (it reports twice what it grants for bookkeeping).
+func udpBuffers(c *net.UDPConn) (rcv, snd int) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return 0, 0
+	}
+	raw.Control(func(fd uintptr) {
+		rcv, _ = syscall.GetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF)
+		snd, _ = syscall.GetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_SNDBUF)
+	})
+	return rcv / 2, snd / 2
+}
+
+// quicConn is one QUIC connection of a listener or a Dialer, with the
+// counters of its streams for Stats.
+type quicConn struct {
+	conn                 *quic.Conn
+	bytesSent, bytesRecv atomic.Uint64
+	refused              atomic.Uint64
+	mu                   sync.Mutex
+	streams              int  // open streams (not yet Closed)
+	closeIdle            bool // close the connection with its last stream
+	idleTimeout          time.Duration
+	idleTimer            *time.Timer
+}
+
+// stats returns the connection's counters as Stats; the shared-memory
+// counters stay zero.
+func (qc *quicConn) stats() Stats {
+	qc.mu.Lock()
+	active := qc.streams
+	qc.mu.Unlock()
+	return Stats{
+		BytesSent:      qc.bytesSent.Load(),
+		BytesReceived:  qc.bytesRecv.Load(),
+		StreamsRefused: qc.refused.Load(),
+		ActiveStreams:  active,
+	}
+}
+
+// opened counts a new stream.
+func (qc *quicConn) opened() {
+	qc.mu.Lock()
+	qc.streams++
+	if qc.idleTimer != nil {
+		qc.idleTimer.Stop()
+	}
+	qc.mu.Unlock()
+}
+
+// closed counts the end of a stream: the connection closes with its last
+// stream once closeWhenIdle was called, or after idleTimeout if set.
+func (qc *quicConn) closed() {
+	qc.mu.Lock()
+	defer qc.mu.Unlock()
+	qc.streams--
+	if qc.streams == 0 && qc.closeIdle {
+		go qc.conn.CloseWithError(quicCodeClosed, "")
+		return
+	}
+	qc.armIdleLocked()
+}
+
+// armIdle starts the idle timer if the connection has no stream.
+func (qc *quicConn) armIdle() {
+	qc.mu.Lock()
+	defer qc.mu.Unlock()
+	qc.armIdleLocked()
+}
+
+// armIdleLocked is armIdle with qc.mu held.
+func (qc *quicConn) armIdleLocked() {
+	if qc.streams > 0 || qc.idleTimeout <= 0 {
+		return
+	}
+	if qc.idleTimer == nil {
+		qc.idleTimer = time.AfterFunc(qc.idleTimeout, qc.idleExpired)
+	} else {
+		qc.idleTimer.Reset(qc.idleTimeout)
+	}
+}
+
+// idleExpired closes the connection if it still has no stream.
+func (qc *quicConn) idleExpired() {
+	qc.mu.Lock()
+	idle := qc.streams == 0
+	qc.mu.Unlock()
+	if idle {
+		qc.conn.CloseWithError(quicCodeClosed, "idle")
+	}
+}
+
+// closeWhenIdle closes the connection now if it has no stream, else with
+// its last one.
+func (qc *quicConn) closeWhenIdle() {
+	qc.mu.Lock()
+	qc.closeIdle = true
+	idle := qc.streams == 0
+	qc.mu.Unlock()
+	if idle {
+		qc.conn.CloseWithError(quicCodeClosed, "")
+	}
+}
+
+// quicStream is a QUIC stream as a net.Conn (docs/protocol.md section 15).
+// quic-go forbids a stream's Close concurrently with its Write, which a
+// net.Conn allows: wmu serializes them, and Close first ends a blocked
+// Write through its deadline.
+type quicStream struct {
+	s  *quic.Stream
+	qc *quicConn
+
+	wmu       sync.Mutex
+	wclosed   bool // CloseWrite or Close sent the FIN; guarded by wmu
+	closing   atomic.Bool
+	closeOnce sync.Once
+}
+
+func newQUICStream(s *quic.Stream, qc *quicConn) *quicStream {
+	qc.opened()
+	return &quicStream{s: s, qc: qc}
+}
+
+// Read reads what the peer wrote, as net.Conn's Read. At the end of what
+// the peer wrote (its CloseWrite or Close) it returns io.EOF. It returns
+// ErrStreamClosed after Close, an error satisfying errors.Is(err,
+// os.ErrDeadlineExceeded) at the read deadline, and one wrapping
+// ErrPeerClosed (errors.Is(err, syscall.ECONNRESET)) when the peer reset
+// the stream or the connection ended.
+func (q *quicStream) Read(b []byte) (int, error) {
+	if q.closing.Load() {
+		return 0, ErrStreamClosed
+	}
+	n, err := q.s.Read(b)
+	q.qc.bytesRecv.Add(uint64(n))
+	if err != nil && err != io.EOF {
+		err = q.mapErr(err)
+	}
+	return n, err
+}
+
+// Write writes b to the stream, as net.Conn's Write, waiting while the
+// peer's flow-control window is full. It returns ErrStreamClosed after
+// Close, ErrWriteClosed after CloseWrite, an error satisfying
+// errors.Is(err, os.ErrDeadlineExceeded) at the write deadline, and one
+// wrapping ErrPeerClosed when the peer stopped reading (closed the stream)
+// or the connection ended.
+func (q *quicStream) Write(b []byte) (int, error) {
+	q.wmu.Lock()
+	defer q.wmu.Unlock()
+	switch {
+	case q.closing.Load():
+		return 0, ErrStreamClosed
+	case q.wclosed:
+		return 0, ErrWriteClosed
+	}
+	n, err := q.s.Write(b)
+	q.qc.bytesSent.Add(uint64(n))
+	if err != nil {
+		err = q.mapErr(err)
+	}
+	return n, err
+}
+
+// CloseWrite half-closes the stream: the peer reads io.EOF after every
+// byte written, while this side goes on reading. Later writes fail with
+// ErrWriteClosed. It returns nil when called again, and ErrStreamClosed
+// after Close.
+func (q *quicStream) CloseWrite() error {
+	q.wmu.Lock()
+	defer q.wmu.Unlock()
+	if q.closing.Load() {
+		return ErrStreamClosed
+	}
+	if q.wclosed {
+		return nil
+	}
+	q.wclosed = true
+	return q.s.Close()
+}
+
+// CloseRead stops reading: what the peer writes from now on is refused
+// (its writes fail with an error wrapping ErrPeerClosed). It returns
+// ErrStreamClosed after Close.
+func (q *quicStream) CloseRead() error {
+	if q.closing.Load() {
+		return ErrStreamClosed
+	}
+	q.s.CancelRead(quicCodeClosed)
+	return nil
+}
+
+// Close ends the stream both ways: the bytes written so far still reach
+// the peer, which then reads io.EOF; what the peer writes after is
+// refused. Blocked Read and Write calls return ErrStreamClosed. Later
+// calls return ErrStreamClosed too.
+func (q *quicStream) Close() error {
+	err := ErrStreamClosed
+	q.closeOnce.Do(func() {
+		err = nil
+		q.closing.Store(true)
+		q.s.CancelRead(quicCodeClosed)
+		q.s.SetWriteDeadline(time.Unix(1, 0)) // ends a Write blocked on flow control
+		q.wmu.Lock()
+		if !q.wclosed {
+			q.wclosed = true
+			q.s.Close()
+		}
+		q.wmu.Unlock()
+		q.qc.closed()
+	})
+	return err
+}
+
+// LocalAddr returns the local UDP address of the stream's connection.
+func (q *quicStream) LocalAddr() net.Addr { return q.qc.conn.LocalAddr() }
+
+// RemoteAddr returns the peer's UDP address.
+func (q *quicStream) RemoteAddr() net.Addr { return q.qc.conn.RemoteAddr() }
+
+// SetDeadline sets the read and write deadlines, as net.Conn's; it returns
+// ErrStreamClosed after Close.
+func (q *quicStream) SetDeadline(t time.Time) error {
+	if q.closing.Load() {
+		return ErrStreamClosed
+	}
+	return q.s.SetDeadline(t)
+}
+
+// SetReadDeadline sets the read deadline, as net.Conn's; it returns
+// ErrStreamClosed after Close.
+func (q *quicStream) SetReadDeadline(t time.Time) error {
+	if q.closing.Load() {
+		return ErrStreamClosed
+	}
+	return q.s.SetReadDeadline(t)
+}
+
+// SetWriteDeadline sets the write deadline, as net.Conn's; it returns
+// ErrStreamClosed after Close.
+func (q *quicStream) SetWriteDeadline(t time.Time) error {
+	if q.closing.Load() {
+		return ErrStreamClosed
+	}
+	return q.s.SetWriteDeadline(t)
+}
+
+// mapErr turns quic-go's error of a Read or Write into the net.Conn
+// vocabulary of shmlink's streams.
+func (q *quicStream) mapErr(err error) error {
+	if q.closing.Load() {
+		return ErrStreamClosed
+	}
+	var se *quic.StreamError
+	if errors.As(err, &se) && !se.Remote {
+		// Our own CancelRead (CloseRead): reads end like a closed socket's.
+		return fmt.Errorf("shmlink: stream closed for reading: %w", net.ErrClosed)
+	}
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		return err
+	}
+	var ae *quic.ApplicationError
+	if errors.As(err, &ae) && !ae.Remote {
+		return fmt.Errorf("%w: %w", ErrSessionClosed, err)
+	}
+	return fmt.Errorf("%w: %w", ErrPeerClosed, err)
+}
+
+// acceptQUICStream reads and checks the preamble of a stream the peer
+// opened, within timeout, and returns it as a net.Conn; a stream without
+// the preamble is reset and nil returned.
+func acceptQUICStream(s *quic.Stream, qc *quicConn, timeout time.Duration) *quicStream {
+	var b [1]byte
+	s.SetReadDeadline(time.Now().Add(timeout))
+	if _, err := io.ReadFull(s, b[:]); err != nil || b[0] != quicPreamble {
+		s.CancelRead(quicCodeBadPreamble)
+		s.CancelWrite(quicCodeBadPreamble)
+		return nil
+	}
+	s.SetReadDeadline(time.Time{})
+	return newQUICStream(s, qc)
+}
+
+// openQUICStream opens a stream on qc and writes its preamble.
+func openQUICStream(ctx context.Context, qc *quicConn) (*quicStream, error) {
+	s, err := qc.conn.OpenStreamSync(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := s.Write([]byte{quicPreamble}); err != nil {
+		s.CancelRead(quicCodeClosed)
+		s.CancelWrite(quicCodeClosed)
+		return nil, err
+	}
+	return newQUICStream(s, qc), nil
+}
+
+// Compile-time checks of the interfaces a quicStream provides.
+var (
+	_ net.Conn                        = (*quicStream)(nil)
+	_ interface{ CloseWrite() error } = (*quicStream)(nil)
+)

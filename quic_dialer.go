@@ -1,0 +1,168 @@
+package shmlink
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"net"
+
+	"github.com/quic-go/quic-go"
+)
+
+// quicDialer is a Dialer's side on the "quic" network: one UDP socket and
+// quic-go Transport for all its connections, and one connection per
+// address, opened at the first dial and again after it ended
+// (docs/protocol.md section 15). Guarded by Dialer.mu.
+type quicDialer struct {
+	udp   *net.UDPConn
+	tr    *quic.Transport
+	conns map[string]*quicConn   // by address
+	dials map[string]*dialCall   // dials in progress, by address
+	live  map[*quicConn]struct{} // every connection until it ends
+	ended Stats                  // the counters of the connections that ended
+}
+
+// dialQUIC opens a stream to address on the Dialer's QUIC connection to
+// it, dialing one first if there is none or it ended.
+func (d *Dialer) dialQUIC(ctx context.Context, address string) (net.Conn, error) {
+	if err := d.validate(); err != nil {
+		return nil, err
+	}
+	var err error
+	for range 3 {
+		var qc *quicConn
+		if qc, err = d.quicConnTo(ctx, address); err != nil {
+			return nil, err
+		}
+		var st *quicStream
+		if st, err = openQUICStream(ctx, qc); err == nil {
+			return st, nil
+		}
+		if ctx.Err() != nil || qc.conn.Context().Err() == nil {
+			return nil, err
+		}
+		// The connection ended since it was picked: dial again.
+	}
+	return nil, err
+}
+
+// quicConnTo returns the live connection to address, dialing it if needed;
+// concurrent dials to one address share one handshake.
+func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, error) {
+	tlsConf, err := quicTLS(d.TLSConfig, false)
+	if err != nil {
+		return nil, err
+	}
+	if tlsConf.ServerName == "" {
+		if host, _, err := net.SplitHostPort(address); err == nil {
+			tlsConf.ServerName = host
+		}
+	}
+	for {
+		d.mu.Lock()
+		if d.closed {
+			d.mu.Unlock()
+			return nil, errDialerClosed
+		}
+		q, err := d.quicSide()
+		if err != nil {
+			d.mu.Unlock()
+			return nil, err
+		}
+		if qc := q.conns[address]; qc != nil && qc.conn.Context().Err() == nil {
+			d.mu.Unlock()
+			return qc, nil
+		}
+		if call := q.dials[address]; call != nil {
+			d.mu.Unlock()
+			select {
+			case <-call.done:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			if call.err != nil && !errors.Is(call.err, context.Canceled) && !errors.Is(call.err, context.DeadlineExceeded) {
+				return nil, call.err
+			}
+			continue
+		}
+		call := &dialCall{done: make(chan struct{})}
+		q.dials[address] = call
+		d.mu.Unlock()
+
+		var conn *quic.Conn
+		ua, err := net.ResolveUDPAddr("udp", address)
+		if err == nil {
+			conn, err = q.tr.Dial(ctx, ua, tlsConf, quicConfig(d.QUICConfig))
+		}
+		var qc *quicConn
+		d.mu.Lock()
+		delete(q.dials, address)
+		switch {
+		case err != nil:
+		case d.closed:
+			err = errDialerClosed
+			conn.CloseWithError(quicCodeClosed, "dialer closed")
+		default:
+			qc = &quicConn{conn: conn, idleTimeout: cmp.Or(d.IdleTimeout, defaultIdleTimeout)}
+			q.conns[address] = qc
+			q.live[qc] = struct{}{}
+			go d.trackQUIC(q, address, qc)
+		}
+		call.err = err
+		d.mu.Unlock()
+		close(call.done)
+		if err != nil {
+			return nil, err
+		}
+		qc.armIdle()
+		return qc, nil
+	}
+}
+
+// quicSide returns the Dialer's QUIC side, creating its socket at the
+// first use. The caller holds d.mu.
+func (d *Dialer) quicSide() (*quicDialer, error) {
+	if d.quic != nil {
+		return d.quic, nil
+	}
+	var cfg Config
+	if d.Config != nil {
+		cfg = *d.Config
+	}
+	udp, err := quicUDP("0.0.0.0:0", withLogger(cfg).Logger)
+	if err != nil {
+		return nil, err
+	}
+	d.quic = &quicDialer{
+		udp:   udp,
+		tr:    &quic.Transport{Conn: udp},
+		conns: make(map[string]*quicConn),
+		dials: make(map[string]*dialCall),
+		live:  make(map[*quicConn]struct{}),
+	}
+	return d.quic, nil
+}
+
+// trackQUIC forgets qc once its connection ended, keeping its counters.
+func (d *Dialer) trackQUIC(q *quicDialer, address string, qc *quicConn) {
+	<-qc.conn.Context().Done()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	delete(q.live, qc)
+	addQUICStats(&q.ended, qc.stats())
+	if q.conns[address] == qc {
+		delete(q.conns, address)
+	}
+}
+
+// closeQUIC ends the Dialer's QUIC connections and closes its socket.
+func (d *Dialer) closeQUIC() {
+	d.mu.Lock()
+	q := d.quic
+	d.mu.Unlock()
+	if q == nil {
+		return
+	}
+	q.tr.Close() // closes every connection of the transport
+	q.udp.Close()
+}

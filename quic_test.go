@@ -1,0 +1,271 @@
+package shmlink_test
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/quic-go/quic-go"
+	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/peertest"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/net/nettest"
+)
+
+// quicTLS writes TLS material to a temporary directory and returns the
+// directory and the server's and client's configs.
+func quicTLS(t *testing.T, mutual bool) (dir string, server, client *tls.Config) {
+	t.Helper()
+	dir = t.TempDir()
+	require.NoError(t, peertest.WriteTLS(dir))
+	server, client, err := peertest.LoadTLS(dir, mutual)
+	require.NoError(t, err)
+	return dir, server, client
+}
+
+// quicPair listens on 127.0.0.1 over "quic" in this process and returns
+// the listener and a Dialer for it, both closed when the test ends.
+func quicPair(t *testing.T) (*shmlink.Listener, *shmlink.Dialer) {
+	t.Helper()
+	_, stls, ctls := quicTLS(t, false)
+	lc := shmlink.ListenConfig{TLSConfig: stls}
+	ln, err := lc.Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	t.Cleanup(func() {
+		d.Close()
+		ln.CloseSessions()
+	})
+	return ln, d
+}
+
+// The net.Conn contract holds over QUIC as over shared memory (Go's
+// nettest conformance suite).
+func TestQUICNettest(t *testing.T) {
+	ln, d := quicPair(t)
+	nettest.TestConn(t, func() (c1, c2 net.Conn, stop func(), err error) {
+		type accepted struct {
+			c   net.Conn
+			err error
+		}
+		ch := make(chan accepted, 1)
+		go func() {
+			c, err := ln.Accept()
+			ch <- accepted{c, err}
+		}()
+		c1, err = d.Dial("quic", ln.Addr().String())
+		if err != nil {
+			return nil, nil, nil, err
+		}
+		a := <-ch // before any byte is written: the stream's preamble
+		if a.err != nil {
+			c1.Close()
+			return nil, nil, nil, a.err
+		}
+		return c1, a.c, func() { c1.Close(); a.c.Close() }, nil
+	})
+}
+
+// A nil TLS config is a *ConfigError on both sides; the zero-copy entry
+// points say that a QUIC stream has no shared memory.
+func TestQUICConfigErrors(t *testing.T) {
+	var ce *shmlink.ConfigError
+	_, err := (&shmlink.ListenConfig{}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.ErrorAs(t, err, &ce)
+	require.Contains(t, err.Error(), "TLSConfig")
+	_, err = (&shmlink.ListenConfig{TLSConfig: &tls.Config{}}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.ErrorAs(t, err, &ce, "a server TLS config without a certificate")
+	_, err = shmlink.Dial("quic", "127.0.0.1:1")
+	require.ErrorAs(t, err, &ce)
+	_, err = (&shmlink.Dialer{}).Dial("quic", "127.0.0.1:1")
+	require.ErrorAs(t, err, &ce)
+
+	ln, d := quicPair(t)
+	_, err = ln.AcceptStream()
+	require.ErrorIs(t, err, shmlink.ErrNoSharedMemory)
+	_, err = d.DialStream(t.Context(), "quic", ln.Addr().String())
+	require.ErrorIs(t, err, shmlink.ErrNoSharedMemory)
+}
+
+// The error vocabulary of a stream over QUIC: io.EOF at the peer's close,
+// net.ErrClosed after our own, os.ErrDeadlineExceeded at a deadline, and
+// ECONNRESET when the peer stopped reading; CloseWrite is a half close.
+func TestQUICStreamErrors(t *testing.T) {
+	ln, d := quicPair(t)
+	c, err := d.Dial("quic", ln.Addr().String())
+	require.NoError(t, err)
+	s, err := ln.Accept()
+	require.NoError(t, err)
+
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Millisecond)))
+	_, err = c.Read(make([]byte, 1))
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	require.NoError(t, c.SetReadDeadline(time.Time{}))
+
+	// Half close: the server reads EOF after the data and still writes.
+	_, err = c.Write([]byte("ping"))
+	require.NoError(t, err)
+	require.NoError(t, c.(interface{ CloseWrite() error }).CloseWrite())
+	_, err = c.Write([]byte("x"))
+	require.ErrorIs(t, err, net.ErrClosed)
+	got, err := io.ReadAll(s)
+	require.NoError(t, err)
+	require.Equal(t, "ping", string(got))
+	_, err = s.Write([]byte("pong"))
+	require.NoError(t, err)
+	buf := make([]byte, 4)
+	_, err = io.ReadFull(c, buf)
+	require.NoError(t, err)
+	require.Equal(t, "pong", string(buf))
+
+	// The client closes: the server's writes find it gone.
+	require.NoError(t, c.Close())
+	_, err = c.Read(buf)
+	require.ErrorIs(t, err, net.ErrClosed)
+	require.ErrorIs(t, c.Close(), net.ErrClosed)
+	require.Eventually(t, func() bool {
+		_, err = s.Write(make([]byte, 1<<10))
+		return err != nil
+	}, 5*time.Second, time.Millisecond)
+	require.ErrorIs(t, err, syscall.ECONNRESET)
+	require.ErrorIs(t, err, shmlink.ErrPeerClosed)
+	require.NoError(t, s.Close())
+
+	st := d.Stats()
+	require.EqualValues(t, 4, st.BytesSent, "the client's ping")
+	require.EqualValues(t, 4, st.BytesReceived, "the server's pong")
+	require.Zero(t, st.ActiveStreams)
+	require.EqualValues(t, 4, ln.Stats().BytesReceived)
+}
+
+// A server that asks for client certificates (mutual TLS) refuses a
+// Dialer without one and serves one with.
+func TestQUICMutualTLS(t *testing.T) {
+	_, stls, ctls := quicTLS(t, true)
+	ln, err := (&shmlink.ListenConfig{TLSConfig: stls}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	go serveStreams(ln)
+
+	anon := ctls.Clone()
+	anon.Certificates = nil
+	d := &shmlink.Dialer{TLSConfig: anon}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	c, err := d.DialContext(ctx, "quic", ln.Addr().String())
+	if err == nil { // TLS 1.3: the client may learn of the refusal at its first read
+		_, err = c.Write(peertest.Command(peertest.CmdEcho, 0))
+		if err == nil {
+			err = peertest.Echo(c, 10, 1)
+		}
+		c.Close()
+	}
+	require.Error(t, err, "a client without a certificate was served")
+
+	d2 := &shmlink.Dialer{TLSConfig: ctls}
+	defer d2.Close()
+	c, err = d2.DialContext(ctx, "quic", ln.Addr().String())
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.Write(peertest.Command(peertest.CmdEcho, 0))
+	require.NoError(t, err)
+	require.NoError(t, peertest.Echo(c, 1000, 2))
+}
+
+// startQUICPeer starts the test binary as a "quic" server and returns its
+// address and a Dialer for it with an idle timeout of idle.
+func startQUICPeer(t *testing.T, idle time.Duration) (*peertest.Proc, string, *shmlink.Dialer) {
+	t.Helper()
+	dir, _, ctls := quicTLS(t, false)
+	proc := peertest.Start(t, "server", peertest.Params{Network: "quic", Addr: "127.0.0.1:0", Dir: dir})
+	addr := proc.Expect(t, "ready ")
+	d := &shmlink.Dialer{TLSConfig: ctls, QUICConfig: &quic.Config{MaxIdleTimeout: idle}}
+	t.Cleanup(func() { d.Close() })
+	return proc, addr, d
+}
+
+// Two processes over QUIC on loopback: every size from 1 B to 8 MiB
+// echoed and checked, then 1000 streams at once.
+func TestQUICTwoProcesses(t *testing.T) {
+	proc, addr, d := startQUICPeer(t, 0)
+	echo := func(n int, seed uint64) error {
+		c, err := d.Dial("quic", addr)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		c.SetDeadline(time.Now().Add(time.Minute))
+		if _, err := c.Write(peertest.Command(peertest.CmdEcho, 0)); err != nil {
+			return err
+		}
+		return peertest.Echo(c, n, seed)
+	}
+	echoed := 0
+	for i, n := range []int{1, 100, 4 << 10, 64 << 10, 1 << 20, 8 << 20} {
+		require.NoError(t, echo(n, uint64(i)), "%d bytes", n)
+		echoed += n
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 1000)
+	for i := range 1000 {
+		wg.Go(func() {
+			if err := echo(1000+i, uint64(i)); err != nil {
+				errs <- fmt.Errorf("stream %d: %w", i, err)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	require.NoError(t, <-errs)
+	for i := range 1000 {
+		echoed += 1000 + i
+	}
+	require.Equal(t, 1, d.NumSessions(), "one QUIC connection per address")
+	st := d.Stats()
+	require.Zero(t, st.ActiveStreams)
+	require.EqualValues(t, echoed, st.BytesReceived)
+	require.EqualValues(t, echoed+1006*9, st.BytesSent, "the echoed bytes and a command per stream")
+	proc.Stop(t)
+}
+
+// A server killed with SIGKILL: the client's blocked read returns an
+// error that says the peer is gone within the idle timeout, and the next
+// dial fails instead of hanging.
+func TestQUICPeerKilled(t *testing.T) {
+	proc, addr, d := startQUICPeer(t, 2*time.Second)
+	c, err := d.Dial("quic", addr)
+	require.NoError(t, err)
+	defer c.Close()
+	_, err = c.Write(peertest.Command(peertest.CmdEcho, 0))
+	require.NoError(t, err)
+	require.NoError(t, peertest.Echo(c, 100, 1))
+
+	read := make(chan error, 1)
+	go func() {
+		_, err := c.Read(make([]byte, 1))
+		read <- err
+	}()
+	proc.Crash(t)
+	select {
+	case err = <-read:
+	case <-time.After(30 * time.Second):
+		t.Fatal("a read on a stream of a killed peer still blocks after 30 s")
+	}
+	require.ErrorIs(t, err, syscall.ECONNRESET)
+	require.False(t, errors.Is(err, io.EOF))
+
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	_, err = d.DialContext(ctx, "quic", addr)
+	require.Error(t, err)
+	require.NoError(t, ctx.Err(), "the dial hung until its context ended")
+}
