@@ -209,7 +209,7 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 }
 
 // DialContext opens a stream to network ("unix", "tcp" or "quic") and
-// address. On "quic" (docs/protocol.md section 15) it opens a QUIC stream
+// address. On "quic" (docs/protocol.md section 17) it opens a QUIC stream
 // on the Dialer's one QUIC connection to address, dialed with TLSConfig
 // at the first dial and again once it ended; the server's Accept returns
 // the stream at once (a 1-byte preamble announces it). Otherwise it

@@ -99,13 +99,13 @@ type ListenConfig struct {
 	// left zero, means shmlink's defaults for a LAN: keepalive every 15 s,
 	// idle timeout 1 min, 4096 concurrent streams per connection, receive
 	// windows growing up to 16 MiB per stream and 64 MiB per connection
-	// (docs/protocol.md section 15). Listen copies it. Other networks
+	// (docs/protocol.md section 17). Listen copies it. Other networks
 	// ignore it.
 	QUICConfig *quic.Config
 }
 
 // Listen listens on network ("unix", "tcp" or "quic") at address. On
-// "quic" (docs/protocol.md section 15) it listens on a UDP address with
+// "quic" (docs/protocol.md section 17) it listens on a UDP address with
 // TLSConfig, for peers on other hosts, and nothing goes through shared
 // memory; UpgradeSocket is not supported there yet (a *ConfigError), and
 // the rest of this comment is about "unix" and "tcp". Every client

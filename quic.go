@@ -18,7 +18,7 @@ import (
 )
 
 // The QUIC mode: network "quic" carries each stream as one QUIC stream of
-// a connection between two hosts (docs/protocol.md section 15). Nothing of
+// a connection between two hosts (docs/protocol.md section 17). Nothing of
 // it touches shared memory.
 
 // quicALPN is the TLS application protocol of shmlink over QUIC; both
@@ -31,7 +31,7 @@ const quicALPN = "shmlink/1"
 // that speak first work. The server checks and drops it.
 const quicPreamble byte = 0x01
 
-// Application error codes of the QUIC mode (docs/protocol.md section 15).
+// Application error codes of the QUIC mode (docs/protocol.md section 17).
 const (
 	quicCodeClosed      = 0 // Close of a stream or a connection
 	quicCodeRefused     = 1 // a stream refused: the listener is closed
@@ -247,7 +247,7 @@ func (qc *quicConn) closeWhenIdle() {
 	}
 }
 
-// quicStream is a QUIC stream as a net.Conn (docs/protocol.md section 15).
+// quicStream is a QUIC stream as a net.Conn (docs/protocol.md section 17).
 // quic-go forbids a stream's Close concurrently with its Write, which a
 // net.Conn allows: wmu serializes them, and Close first ends a blocked
 // Write through its deadline.

@@ -12,7 +12,7 @@ import (
 // quicDialer is a Dialer's side on the "quic" network: one UDP socket and
 // quic-go Transport for all its connections, and one connection per
 // address, opened at the first dial and again after it ended
-// (docs/protocol.md section 15). Guarded by Dialer.mu.
+// (docs/protocol.md section 17). Guarded by Dialer.mu.
 type quicDialer struct {
 	udp   *net.UDPConn
 	tr    *quic.Transport

@@ -12,7 +12,7 @@ import (
 
 // quicListener is a Listener's side on the "quic" network: one UDP socket,
 // a quic-go Transport on it, and the connections it accepted, each with
-// the streams their peers open (docs/protocol.md section 15).
+// the streams their peers open (docs/protocol.md section 17).
 type quicListener struct {
 	udp *net.UDPConn
 	tr  *quic.Transport
