@@ -107,8 +107,9 @@ type ListenConfig struct {
 // Listen listens on network ("unix", "tcp" or "quic") at address. On
 // "quic" (docs/protocol.md section 17) it listens on a UDP address with
 // TLSConfig, for peers on other hosts, and nothing goes through shared
-// memory; UpgradeSocket is not supported there yet (a *ConfigError), and
-// the rest of this comment is about "unix" and "tcp". Every client
+// memory; a nil TLSConfig is a *ConfigError, UpgradeSocket hands the UDP
+// socket over (section 17 says how), and SocketMode and AllowNonLoopback
+// do not apply. Every client
 // connection runs its handshake in its own goroutine, bounded by
 // Config.HandshakeTimeout, so a slow or silent client never delays others;
 // a failed handshake closes that connection and is logged to
@@ -132,7 +133,7 @@ func (lc *ListenConfig) Listen(ctx context.Context, network, address string) (*L
 		cfg = *lc.Config
 	}
 	if network == "quic" {
-		return lc.listenQUIC(address, cfg)
+		return lc.listenQUIC(ctx, address, cfg)
 	}
 	if lc.UpgradeSocket != "" {
 		return lc.listenUpgradable(ctx, network, address, cfg)

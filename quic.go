@@ -183,14 +183,20 @@ func (qc *quicConn) stats() Stats {
 	}
 }
 
-// opened counts a new stream.
-func (qc *quicConn) opened() {
+// tryOpen counts a new stream, unless the connection is to end with its
+// last stream (closeWhenIdle): then it reports false, and the stream must
+// not be used.
+func (qc *quicConn) tryOpen() bool {
 	qc.mu.Lock()
+	defer qc.mu.Unlock()
+	if qc.closeIdle {
+		return false
+	}
 	qc.streams++
 	if qc.idleTimer != nil {
 		qc.idleTimer.Stop()
 	}
-	qc.mu.Unlock()
+	return true
 }
 
 // closed counts the end of a stream: the connection closes with its last
@@ -261,10 +267,7 @@ type quicStream struct {
 	closeOnce sync.Once
 }
 
-func newQUICStream(s *quic.Stream, qc *quicConn) *quicStream {
-	qc.opened()
-	return &quicStream{s: s, qc: qc}
-}
+
 
 // Read reads what the peer wrote, as net.Conn's Read. At the end of what
 // the peer wrote (its CloseWrite or Close) it returns io.EOF. It returns
@@ -412,8 +415,10 @@ func (q *quicStream) mapErr(err error) error {
 }
 
 // acceptQUICStream reads and checks the preamble of a stream the peer
-// opened, within timeout, and returns it as a net.Conn; a stream without
-// the preamble is reset and nil returned.
+// opened, within timeout, and returns it as a net.Conn. A stream without
+// the preamble is reset with quicCodeBadPreamble, and one on a connection
+// that ends with its last stream with quicCodeRefused; then it returns
+// nil.
 func acceptQUICStream(s *quic.Stream, qc *quicConn, timeout time.Duration) *quicStream {
 	var b [1]byte
 	s.SetReadDeadline(time.Now().Add(timeout))
@@ -423,21 +428,36 @@ func acceptQUICStream(s *quic.Stream, qc *quicConn, timeout time.Duration) *quic
 		return nil
 	}
 	s.SetReadDeadline(time.Time{})
-	return newQUICStream(s, qc)
+	if !qc.tryOpen() {
+		qc.refused.Add(1)
+		s.CancelRead(quicCodeRefused)
+		s.CancelWrite(quicCodeRefused)
+		return nil
+	}
+	return &quicStream{s: s, qc: qc}
 }
+
+// errQUICDraining is openQUICStream's error on a connection that takes no
+// new stream: its server moved (a hot restart) or the Dialer closes it.
+var errQUICDraining = errors.New("shmlink: QUIC connection takes no new stream")
 
 // openQUICStream opens a stream on qc and writes its preamble.
 func openQUICStream(ctx context.Context, qc *quicConn) (*quicStream, error) {
+	if !qc.tryOpen() {
+		return nil, errQUICDraining
+	}
 	s, err := qc.conn.OpenStreamSync(ctx)
+	if err == nil {
+		if _, err = s.Write([]byte{quicPreamble}); err != nil {
+			s.CancelRead(quicCodeClosed)
+			s.CancelWrite(quicCodeClosed)
+		}
+	}
 	if err != nil {
+		qc.closed()
 		return nil, err
 	}
-	if _, err := s.Write([]byte{quicPreamble}); err != nil {
-		s.CancelRead(quicCodeClosed)
-		s.CancelWrite(quicCodeClosed)
-		return nil, err
-	}
-	return newQUICStream(s, qc), nil
+	return &quicStream{s: s, qc: qc}, nil
 }
 
 // Compile-time checks of the interfaces a quicStream provides.

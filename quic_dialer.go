@@ -4,7 +4,9 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"io"
 	"net"
+	"time"
 
 	"github.com/quic-go/quic-go"
 )
@@ -38,10 +40,11 @@ func (d *Dialer) dialQUIC(ctx context.Context, address string) (net.Conn, error)
 		if st, err = openQUICStream(ctx, qc); err == nil {
 			return st, nil
 		}
-		if ctx.Err() != nil || qc.conn.Context().Err() == nil {
+		if ctx.Err() != nil || (qc.conn.Context().Err() == nil && !errors.Is(err, errQUICDraining)) {
 			return nil, err
 		}
-		// The connection ended since it was picked: dial again.
+		// The connection ended, or its server moved, since it was picked:
+		// pick again.
 	}
 	return nil, err
 }
@@ -144,8 +147,30 @@ func (d *Dialer) quicSide() (*quicDialer, error) {
 }
 
 // trackQUIC forgets qc once its connection ended, keeping its counters.
+// Meanwhile it reads the server's messages (docs/protocol.md section 17):
+// on quicCtlHotRestart, new streams go to a new connection, and qc ends
+// with its last stream.
 func (d *Dialer) trackQUIC(q *quicDialer, address string, qc *quicConn) {
-	<-qc.conn.Context().Done()
+	ctx := qc.conn.Context()
+	for {
+		s, err := qc.conn.AcceptUniStream(ctx)
+		if err != nil {
+			break // the connection ended
+		}
+		var msg [9]byte
+		s.SetReadDeadline(time.Now().Add(defaultQUICPreambleTimeout))
+		_, err = io.ReadFull(s, msg[:])
+		s.CancelRead(quicCodeClosed)
+		if err != nil || msg[0] != quicCtlHotRestart {
+			continue // a message of a later version, or none: ignored
+		}
+		d.mu.Lock()
+		if q.conns[address] == qc {
+			delete(q.conns, address)
+		}
+		d.mu.Unlock()
+		qc.closeWhenIdle()
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	delete(q.live, qc)

@@ -3,11 +3,14 @@ package shmlink
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"errors"
 	"net"
 	"sync"
 
 	"github.com/quic-go/quic-go"
+	"github.com/shmlink/shmlink/internal/sock"
+	"github.com/shmlink/shmlink/internal/upgrade"
 )
 
 // quicListener is a Listener's side on the "quic" network: one UDP socket,
@@ -15,39 +18,92 @@ import (
 // the streams their peers open (docs/protocol.md section 17).
 type quicListener struct {
 	udp *net.UDPConn
+	rc  *routedConn // the Transport's socket when upgradable, else nil
 	tr  *quic.Transport
 	ln  *quic.Listener
 	cfg Config
+	up  *upgrade.Upgrader // hot upgrade; nil without ListenConfig.UpgradeSocket
 
 	accepts chan *quicStream
 	ctx     context.Context // done once the listener stops accepting
 	stop    context.CancelFunc
 	wg      sync.WaitGroup // acceptLoop and one serve per connection
 
-	mu     sync.Mutex
-	conns  map[*quicConn]struct{}
-	ended  Stats // the counters of the connections that ended
-	closed bool
-	err    error // why Accept fails, if not Close
+	mu       sync.Mutex
+	conns    map[*quicConn]struct{}
+	ended    Stats // the counters of the connections that ended
+	closed   bool
+	err      error  // why Accept fails, if not Close
+	handedTo uint64 // the new process's epoch once handed over, else 0
+	upgraded bool   // handed over and drained: Accept fails with ErrUpgraded
 }
 
 // listenQUIC listens for QUIC connections at address (host:port, UDP) with
-// the listener's TLS and QUIC configs.
-func (lc *ListenConfig) listenQUIC(address string, cfg Config) (*Listener, error) {
-	if lc.UpgradeSocket != "" {
-		return nil, &ConfigError{Field: "ListenConfig.UpgradeSocket", Reason: `not supported on the "quic" network yet`}
-	}
+// the listener's TLS and QUIC configs; with an UpgradeSocket it takes the
+// UDP socket over from the process that owns it, or listens afresh.
+func (lc *ListenConfig) listenQUIC(ctx context.Context, address string, cfg Config) (*Listener, error) {
 	tlsConf, err := quicTLS(lc.TLSConfig, true)
 	if err != nil {
 		return nil, err
 	}
 	cfg = withLogger(cfg)
-	udp, err := quicUDP(address, cfg.Logger)
+	qcfg := quicConfig(lc.QUICConfig)
+	if lc.UpgradeSocket == "" {
+		udp, err := quicUDP(address, cfg.Logger)
+		if err != nil {
+			return nil, err
+		}
+		return startQUICListener(&quic.Transport{Conn: udp}, udp, nil, nil, tlsConf, qcfg, cfg)
+	}
+	if lc.DrainTimeout < 0 {
+		return nil, &ConfigError{Field: "ListenConfig.DrainTimeout", Reason: "negative"}
+	}
+	ucfg := upgrade.Config{
+		Path:         lc.UpgradeSocket,
+		Network:      "quic",
+		Address:      address,
+		DrainTimeout: cmp.Or(lc.DrainTimeout, defaultDrainTimeout),
+		Logger:       cfg.Logger,
+		Extras:       1, // the socket to forward the draining generation's packets into
+	}
+	ln, up, err := upgrade.TakeOver(ctx, ucfg, nil)
+	if errors.Is(err, upgrade.ErrNoOwner) {
+		ln, up, err = upgrade.Listen(ucfg, func() (net.Listener, error) {
+			udp, err := quicUDP(address, cfg.Logger)
+			if err != nil {
+				return nil, err
+			}
+			return sock.PacketListener{PacketConn: udp}, nil
+		})
+	}
 	if err != nil {
 		return nil, err
 	}
-	tr := &quic.Transport{Conn: udp}
-	ln, err := tr.Listen(tlsConf, quicConfig(lc.QUICConfig))
+	udp := ln.(sock.PacketListener).PacketConn.(*net.UDPConn)
+	rc := &routedConn{udp: udp, tag: byte(up.Epoch())}
+	for _, x := range up.Received() {
+		if pl, ok := x.(sock.PacketListener); ok {
+			if uc, ok := pl.PacketConn.(*net.UnixConn); ok && rc.fwdOut == nil {
+				rc.fwdOut, rc.prevTag = uc, byte(up.Epoch()-1)
+				continue
+			}
+		}
+		x.Close()
+	}
+	tr := &quic.Transport{Conn: rc, ConnectionIDGenerator: cidGenerator{tag: rc.tag}}
+	l, err := startQUICListener(tr, udp, rc, up, tlsConf, qcfg, cfg)
+	if err != nil {
+		up.Close()
+		return nil, err
+	}
+	up.Start(quicHandover{l.q})
+	return l, nil
+}
+
+// startQUICListener serves QUIC on tr, whose socket is udp (read through
+// rc when upgradable), and returns the Listener.
+func startQUICListener(tr *quic.Transport, udp *net.UDPConn, rc *routedConn, up *upgrade.Upgrader, tlsConf *tls.Config, qcfg *quic.Config, cfg Config) (*Listener, error) {
+	ln, err := tr.Listen(tlsConf, qcfg)
 	if err != nil {
 		tr.Close()
 		udp.Close()
@@ -55,16 +111,18 @@ func (lc *ListenConfig) listenQUIC(address string, cfg Config) (*Listener, error
 	}
 	q := &quicListener{
 		udp:     udp,
+		rc:      rc,
 		tr:      tr,
 		ln:      ln,
 		cfg:     cfg,
+		up:      up,
 		accepts: make(chan *quicStream),
 		conns:   make(map[*quicConn]struct{}),
 	}
 	q.ctx, q.stop = context.WithCancel(context.Background())
 	q.wg.Add(1)
 	go q.acceptLoop()
-	return &Listener{q: q}, nil
+	return &Listener{q: q, up: up}, nil
 }
 
 // acceptLoop accepts connections until the listener closes.
@@ -74,7 +132,7 @@ func (q *quicListener) acceptLoop() {
 		conn, err := q.ln.Accept(q.ctx)
 		if err != nil {
 			q.mu.Lock()
-			if q.ctx.Err() == nil {
+			if q.ctx.Err() == nil && q.handedTo == 0 { // else closed, or the new process accepts now
 				q.err = err
 				q.stop()
 			}
@@ -89,7 +147,11 @@ func (q *quicListener) acceptLoop() {
 			continue
 		}
 		q.conns[qc] = struct{}{}
+		epoch := q.handedTo
 		q.mu.Unlock()
+		if epoch != 0 {
+			sendHotRestart(qc, epoch) // handed over meanwhile: its client must move too
+		}
 		q.wg.Add(1)
 		go q.serve(qc)
 	}
@@ -152,7 +214,10 @@ func (q *quicListener) accept(l *Listener) (net.Conn, error) {
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if q.err != nil && !q.closed {
+	switch {
+	case q.upgraded:
+		return nil, l.closedError("accept", ErrUpgraded)
+	case q.err != nil && !q.closed:
 		return nil, l.closedError("accept", q.err)
 	}
 	return nil, l.closedError("accept", net.ErrClosed)
@@ -171,9 +236,15 @@ func (q *quicListener) close() error {
 		return net.ErrClosed
 	}
 	q.stop()
+	if q.up != nil {
+		q.up.Stop()
+	}
 	err := q.ln.Close()
 	for _, qc := range conns {
 		qc.closeWhenIdle()
+	}
+	if q.up != nil {
+		q.up.Close() // removes the upgrade socket's file if this generation still owns it
 	}
 	go func() {
 		q.wg.Wait()

@@ -3,6 +3,7 @@ package shmlink_test
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -32,13 +33,42 @@ import (
 var upgradeTransports = []transport{
 	{"unix-memfd", "unix", shmlink.MemoryMemfd},
 	{"tcp-file", "tcp", shmlink.MemoryFile},
+	{"quic", "quic", shmlink.MemoryAuto}, // no shared memory
 }
 
-// listenUpgradable listens on tr at addr with the upgrade socket usock.
+// listenUpgradable listens on tr at addr with the upgrade socket usock,
+// and the TLS config of sharedQUICTLS on "quic".
 func listenUpgradable(t *testing.T, tr transport, addr, usock string, cfg *shmlink.Config) (*shmlink.Listener, error) {
 	t.Helper()
 	lc := shmlink.ListenConfig{Config: cfg, UpgradeSocket: usock}
+	if tr.network == "quic" {
+		lc.TLSConfig, _ = sharedQUICTLS(t)
+	}
 	return lc.Listen(context.Background(), tr.network, addr)
+}
+
+var (
+	quicTLSOnce            sync.Once
+	quicServerTLS, quicCli *tls.Config
+	quicTLSErr             error
+)
+
+// sharedQUICTLS returns one server and client TLS config for the
+// in-process "quic" tests, made at the first call.
+func sharedQUICTLS(t *testing.T) (server, client *tls.Config) {
+	quicTLSOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "shmlink-tls-")
+		if err != nil {
+			quicTLSErr = err
+			return
+		}
+		defer os.RemoveAll(dir)
+		if quicTLSErr = peertest.WriteTLS(dir); quicTLSErr == nil {
+			quicServerTLS, quicCli, quicTLSErr = peertest.LoadTLS(dir, false)
+		}
+	})
+	require.NoError(t, quicTLSErr)
+	return quicServerTLS, quicCli
 }
 
 // listenWhenFree is listenUpgradable, asking again while the upgrade is
@@ -106,6 +136,7 @@ func TestUpgradeHandover(t *testing.T) {
 			addr = a.Addr().String()
 
 			d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: dir, MemoryType: tr.memory}}
+			_, d.TLSConfig = sharedQUICTLS(t)
 			held, err := d.Dial(tr.network, addr)
 			require.NoError(t, err)
 			require.NoError(t, peertest.Echo(held, 100<<10, 1))
@@ -373,6 +404,13 @@ func runUpgradeServer(p peertest.Params) int {
 		Config:        &shmlink.Config{ShmDir: p.ShmDir},
 		UpgradeSocket: p.UpgradeSocket,
 	}
+	if p.Network == "quic" { // TLS material from peertest.WriteTLS in p.Dir
+		var err error
+		if lc.TLSConfig, _, err = peertest.LoadTLS(p.Dir, false); err != nil {
+			fail("tls: %v", err)
+			return code
+		}
+	}
 	ln, err := lc.Listen(context.Background(), p.Network, p.Addr)
 	if err != nil {
 		fail("listen: %v", err)
@@ -465,7 +503,7 @@ func countedRequest(d *shmlink.Dialer, network, addr string, n int, seed uint64)
 	if err := peertest.Echo(c, n, seed); err != nil {
 		return err
 	}
-	if err := c.(*shmlink.Stream).CloseWrite(); err != nil {
+	if err := c.(interface{ CloseWrite() error }).CloseWrite(); err != nil {
 		return fmt.Errorf("close write: %w", err)
 	}
 	if k, err := c.Read(make([]byte, 1)); k != 0 || !errors.Is(err, io.EOF) {
@@ -561,6 +599,13 @@ func testHotUpgrade(t *testing.T, tr transport) {
 	lines := &serverLines{ch: lineCh}
 
 	params := peertest.Params{Network: tr.network, Addr: addr, ShmDir: dir, UpgradeSocket: filepath.Join(dir, "upgrade.sock")}
+	var clientTLS *tls.Config
+	if tr.network == "quic" {
+		params.Dir = t.TempDir()
+		require.NoError(t, peertest.WriteTLS(params.Dir))
+		_, clientTLS, err = peertest.LoadTLS(params.Dir, false)
+		require.NoError(t, err)
+	}
 	var started []*exec.Cmd
 	waits := make(chan error, upgradeCount+1)
 	alive := map[int]bool{} // pids that printed ready and not yet exit
@@ -605,6 +650,7 @@ func testHotUpgrade(t *testing.T, tr transport) {
 	d := &shmlink.Dialer{
 		Config:            &shmlink.Config{ShmDir: dir, MemoryType: tr.memory},
 		StreamsPerSession: 2, // several sessions per generation
+		TLSConfig:         clientTLS,
 	}
 	defer d.Close()
 	var (

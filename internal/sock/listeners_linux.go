@@ -49,7 +49,8 @@ func SendListeners(c *net.UnixConn, lns ...net.Listener) error {
 
 // RecvListeners receives one message of at least one data byte carrying
 // exactly n descriptors of listening sockets over c, as SendListeners
-// sends it, and returns them as listeners in the order sent. The caller
+// sends it, and returns them as listeners in the order sent; a datagram
+// socket comes as a PacketListener. The caller
 // owns the listeners and must Close them; the received descriptors are
 // closed (net.FileListener keeps its own). A message with another number
 // of descriptors, or several control messages, gets ErrBadRights; a
@@ -63,7 +64,16 @@ func RecvListeners(c *net.UnixConn, n int) ([]net.Listener, error) {
 	lns := make([]net.Listener, 0, n)
 	for i, fd := range fds {
 		f := os.NewFile(uintptr(fd), fmt.Sprintf("listener %d", i))
-		ln, err := net.FileListener(f)
+		var ln net.Listener
+		typ, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE)
+		if err == nil && typ == unix.SOCK_DGRAM {
+			var pc net.PacketConn
+			if pc, err = net.FilePacketConn(f); err == nil {
+				ln = PacketListener{pc}
+			}
+		} else {
+			ln, err = net.FileListener(f)
+		}
 		f.Close()
 		if err != nil {
 			for _, fd := range fds[i+1:] {

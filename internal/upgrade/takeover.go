@@ -37,7 +37,7 @@ func TakeOver(ctx context.Context, cfg Config, check func(ln net.Listener) error
 		return nil, nil, fmt.Errorf("shmlink: upgrade socket: %w", err)
 	}
 	conn := c.(*net.UnixConn)
-	ln, uln, epoch, err := takeOver(ctx, conn, func(ln net.Listener) error {
+	ln, uln, extras, epoch, err := takeOver(ctx, conn, cfg.Extras, func(ln net.Listener) error {
 		if err := checkReceived(ln, cfg.Network, cfg.Address); err != nil || check == nil {
 			return err
 		}
@@ -48,34 +48,36 @@ func TakeOver(ctx context.Context, cfg Config, check func(ln net.Listener) error
 		return nil, nil, fmt.Errorf("shmlink: upgrade via %s: %w", cfg.Path, err)
 	}
 	u := newUpgrader(cfg, uln, ln, epoch, stateFollowing)
+	u.received = extras
 	u.prev = conn // closed by the previous generation once it drained
 	return ln, u, nil
 }
 
 // takeOver runs the new process's side of steps 1 to 3 on conn, connected
-// to the upgrade socket, and returns the sockets received and the new
-// epoch. On error it closes what it received, not conn.
-func takeOver(ctx context.Context, conn *net.UnixConn, check func(net.Listener) error) (ln net.Listener, uln *net.UnixListener, epoch uint64, err error) {
+// to the upgrade socket, and returns the sockets received (the listening
+// socket, the upgrade socket and extra more) and the new epoch. On error
+// it closes what it received, not conn.
+func takeOver(ctx context.Context, conn *net.UnixConn, extra int, check func(net.Listener) error) (ln net.Listener, uln *net.UnixListener, extras []net.Listener, epoch uint64, err error) {
 	deadline := time.Now().Add(handoverTimeout)
 	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
 		deadline = dl
 	}
 	if err := conn.SetDeadline(deadline); err != nil {
-		return nil, nil, 0, err
+		return nil, nil, nil, 0, err
 	}
 	ready := guardReady(ctx, conn)
 	defer ready.stop()
 	if _, uid, _, err := sock.PeerCred(conn); err != nil {
-		return nil, nil, 0, err
+		return nil, nil, nil, 0, err
 	} else if uid != os.Geteuid() {
-		return nil, nil, 0, fmt.Errorf("upgrade socket served by uid %d", uid)
+		return nil, nil, nil, 0, fmt.Errorf("upgrade socket served by uid %d", uid)
 	}
 	if epoch, err = askGrant(conn); err != nil {
-		return nil, nil, 0, err
+		return nil, nil, nil, 0, err
 	}
-	lns, err := sock.RecvListeners(conn, 2)
+	lns, err := sock.RecvListeners(conn, 2+extra)
 	if err != nil {
-		return nil, nil, 0, fmt.Errorf("receive the listeners: %w", err)
+		return nil, nil, nil, 0, fmt.Errorf("receive the listeners: %w", err)
 	}
 	ln = lns[0]
 	uln, ok := lns[1].(*net.UnixListener)
@@ -86,12 +88,13 @@ func takeOver(ctx context.Context, conn *net.UnixConn, check func(net.Listener) 
 		err = ready.send()
 	}
 	if err != nil {
-		lns[0].Close()
-		lns[1].Close()
-		return nil, nil, 0, err
+		for _, l := range lns {
+			l.Close()
+		}
+		return nil, nil, nil, 0, err
 	}
 	conn.SetDeadline(time.Time{})
-	return ln, uln, epoch, nil
+	return ln, uln, lns[2:], epoch, nil
 }
 
 // askGrant sends the request (step 1) and reads the answer (step 2): the
@@ -163,8 +166,18 @@ func checkReceived(ln net.Listener, network, address string) error {
 		if got := l.Addr().String(); got != address {
 			return fmt.Errorf("the running listener is at %q, not %q", got, address)
 		}
+	case sock.PacketListener:
+		ua, ok := l.Addr().(*net.UDPAddr)
+		if network != "quic" || !ok {
+			return fmt.Errorf("the running listener is a datagram socket at %v, not %s", l.Addr(), network)
+		}
+		if _, port, err := net.SplitHostPort(address); err == nil && port != "" && port != "0" {
+			if p, err := net.LookupPort("udp", port); err != nil || p != ua.Port {
+				return fmt.Errorf("the running listener is at %v, not %s", ua, address)
+			}
+		}
 	case *net.TCPListener:
-		if network == "unix" {
+		if network == "unix" || network == "quic" {
 			return errors.New("the running listener is on TCP, not a Unix socket")
 		}
 		ta := l.Addr().(*net.TCPAddr)

@@ -39,6 +39,20 @@ type Config struct {
 	DrainTimeout time.Duration
 	// Logger receives the handover's events; nil discards them.
 	Logger *slog.Logger
+	// Extras is the number of sockets handed over beside the listening
+	// socket and the upgrade socket: those the Listener's Extras returns
+	// (an ExtraSender), the same number in every generation.
+	Extras int
+}
+
+// ExtraSender is a Listener that hands more sockets over than its
+// listening socket (the "quic" network: a socket to forward the old
+// generation's packets into, docs/protocol.md section 17). Extras returns
+// them, owned by the ExtraSender, and done, which the Upgrader calls once
+// the handover succeeded (ok) or failed; they follow the upgrade socket
+// in the message, and the new process finds them in Received.
+type ExtraSender interface {
+	Extras() (lns []net.Listener, done func(ok bool), err error)
 }
 
 // Listener is the listener whose socket an Upgrader hands over, as the
@@ -71,6 +85,7 @@ type Upgrader struct {
 	ln       net.Listener      // the listening socket; owned by the Listener, sent too
 	sockFile string            // ln's socket file, for Close; "" for TCP and abstract sockets
 	epoch    uint64            // this generation's
+	received []net.Listener    // the extra sockets TakeOver received; owned by the caller
 	l        Listener          // set by Start
 
 	quit         chan struct{} // closed by Stop
@@ -129,6 +144,11 @@ func (u *Upgrader) stepLocked(ev event) bool {
 // Epoch returns this generation's epoch: 0 for the first, its
 // predecessor's plus one for one that took over.
 func (u *Upgrader) Epoch() uint64 { return u.epoch }
+
+// Received returns the extra sockets TakeOver received from the previous
+// generation (Config.Extras of them; none for the first generation),
+// owned by the caller.
+func (u *Upgrader) Received() []net.Listener { return u.received }
 
 // Upgraded returns a channel that is closed once this generation handed
 // over and drained, or handed over and was closed.
@@ -306,13 +326,25 @@ func (u *Upgrader) admit(conn net.Conn) uint64 {
 // closes it.
 func (u *Upgrader) grant(conn *net.UnixConn, pid int) (kept bool) {
 	epoch := u.epoch + 1
-	err := writeFrame(conn, opGrant, epoch)
+	lns := []net.Listener{u.ln, u.uln}
+	extrasDone := func(bool) {}
+	var err error
+	if es, ok := u.l.(ExtraSender); ok {
+		var extras []net.Listener
+		if extras, extrasDone, err = es.Extras(); err == nil {
+			lns = append(lns, extras...)
+		}
+	}
 	if err == nil {
-		err = sock.SendListeners(conn, u.ln, u.uln)
+		err = writeFrame(conn, opGrant, epoch)
+	}
+	if err == nil {
+		err = sock.SendListeners(conn, lns...)
 	}
 	if err == nil {
 		_, err = readOp(conn, opReady)
 	}
+	extrasDone(err == nil)
 	u.mu.Lock()
 	if err != nil {
 		u.stepLocked(evFail)
