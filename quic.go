@@ -267,8 +267,6 @@ type quicStream struct {
 	closeOnce sync.Once
 }
 
-
-
 // Read reads what the peer wrote, as net.Conn's Read. At the end of what
 // the peer wrote (its CloseWrite or Close) it returns io.EOF. It returns
 // ErrStreamClosed after Close, an error satisfying errors.Is(err,
