@@ -222,7 +222,15 @@ func (r *routedConn) SetWriteBuffer(n int) error { return r.udp.SetWriteBuffer(n
 // close-on-exec: the old generation reads the first, and hands the second
 // over.
 func forwardPair() (in, out *net.UnixConn, err error) {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	// SOCK_CLOEXEC is Linux's; under ForkLock, as package net does, no
+	// exec sees the descriptors before they are close-on-exec.
+	syscall.ForkLock.RLock()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_DGRAM, 0)
+	if err == nil {
+		unix.CloseOnExec(fds[0])
+		unix.CloseOnExec(fds[1])
+	}
+	syscall.ForkLock.RUnlock()
 	if err != nil {
 		return nil, nil, os.NewSyscallError("socketpair", err)
 	}
