@@ -416,23 +416,26 @@ func (q *quicStream) mapErr(err error) error {
 // opened, within timeout, and returns it as a net.Conn. A stream without
 // the preamble is reset with quicCodeBadPreamble, and one on a connection
 // that ends with its last stream with quicCodeRefused; then it returns
-// nil.
-func acceptQUICStream(s *quic.Stream, qc *quicConn, timeout time.Duration) *quicStream {
+// why.
+func acceptQUICStream(s *quic.Stream, qc *quicConn, timeout time.Duration) (*quicStream, error) {
 	var b [1]byte
 	s.SetReadDeadline(time.Now().Add(timeout))
 	if _, err := io.ReadFull(s, b[:]); err != nil || b[0] != quicPreamble {
 		s.CancelRead(quicCodeBadPreamble)
 		s.CancelWrite(quicCodeBadPreamble)
-		return nil
+		if err == nil {
+			err = fmt.Errorf("%w: preamble %#x", ErrProtocol, b[0])
+		}
+		return nil, err
 	}
 	s.SetReadDeadline(time.Time{})
 	if !qc.tryOpen() {
 		qc.refused.Add(1)
 		s.CancelRead(quicCodeRefused)
 		s.CancelWrite(quicCodeRefused)
-		return nil
+		return nil, errQUICDraining
 	}
-	return &quicStream{s: s, qc: qc}
+	return &quicStream{s: s, qc: qc}, nil
 }
 
 // errQUICDraining is openQUICStream's error on a connection that takes no

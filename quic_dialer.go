@@ -3,8 +3,10 @@ package shmlink
 import (
 	"cmp"
 	"context"
+	"encoding/binary"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"time"
 
@@ -122,17 +124,22 @@ func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, err
 	}
 }
 
+// logger returns the Config's Logger, or one that discards.
+func (d *Dialer) logger() *slog.Logger {
+	var cfg Config
+	if d.Config != nil {
+		cfg = *d.Config
+	}
+	return withLogger(cfg).Logger
+}
+
 // quicSide returns the Dialer's QUIC side, creating its socket at the
 // first use. The caller holds d.mu.
 func (d *Dialer) quicSide() (*quicDialer, error) {
 	if d.quic != nil {
 		return d.quic, nil
 	}
-	var cfg Config
-	if d.Config != nil {
-		cfg = *d.Config
-	}
-	udp, err := quicUDP("0.0.0.0:0", withLogger(cfg).Logger)
+	udp, err := quicUDP(":0", d.logger()) // dual-stack: IPv4 and IPv6 servers
 	if err != nil {
 		return nil, err
 	}
@@ -152,6 +159,8 @@ func (d *Dialer) quicSide() (*quicDialer, error) {
 // with its last stream.
 func (d *Dialer) trackQUIC(q *quicDialer, address string, qc *quicConn) {
 	ctx := qc.conn.Context()
+	log := d.logger()
+	log.Debug("shmlink: QUIC connection started", "client", true, "remote", qc.conn.RemoteAddr())
 	for {
 		s, err := qc.conn.AcceptUniStream(ctx)
 		if err != nil {
@@ -164,6 +173,7 @@ func (d *Dialer) trackQUIC(q *quicDialer, address string, qc *quicConn) {
 		if err != nil || msg[0] != quicCtlHotRestart {
 			continue // a message of a later version, or none: ignored
 		}
+		log.Debug("shmlink: hot restart: draining", "remote", qc.conn.RemoteAddr(), "epoch", binary.BigEndian.Uint64(msg[1:]))
 		d.mu.Lock()
 		if q.conns[address] == qc {
 			delete(q.conns, address)
@@ -171,6 +181,7 @@ func (d *Dialer) trackQUIC(q *quicDialer, address string, qc *quicConn) {
 		d.mu.Unlock()
 		qc.closeWhenIdle()
 	}
+	log.Debug("shmlink: QUIC connection ended", "remote", qc.conn.RemoteAddr(), "err", context.Cause(ctx))
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	delete(q.live, qc)
@@ -184,10 +195,21 @@ func (d *Dialer) trackQUIC(q *quicDialer, address string, qc *quicConn) {
 func (d *Dialer) closeQUIC() {
 	d.mu.Lock()
 	q := d.quic
+	var conns []*quicConn
+	if q != nil {
+		for qc := range q.live {
+			conns = append(conns, qc)
+		}
+	}
 	d.mu.Unlock()
 	if q == nil {
 		return
 	}
-	q.tr.Close() // closes every connection of the transport
+	for _, qc := range conns {
+		// CONNECTION_CLOSE, so that the server ends the connection now,
+		// not after its idle timeout.
+		qc.conn.CloseWithError(quicCodeClosed, "dialer closed")
+	}
+	q.tr.Close() // closes what is left of the transport's connections
 	q.udp.Close()
 }

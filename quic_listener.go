@@ -169,6 +169,11 @@ func (q *quicListener) serve(qc *quicConn) {
 		q.mu.Unlock()
 	}()
 	ctx := qc.conn.Context()
+	log := q.cfg.Logger
+	log.Debug("shmlink: QUIC connection started", "client", false, "remote", qc.conn.RemoteAddr())
+	defer func() {
+		log.Debug("shmlink: QUIC connection ended", "remote", qc.conn.RemoteAddr(), "err", context.Cause(ctx))
+	}()
 	var streams sync.WaitGroup
 	defer streams.Wait()
 	for {
@@ -185,8 +190,9 @@ func (q *quicListener) serve(qc *quicConn) {
 		streams.Add(1)
 		go func() {
 			defer streams.Done()
-			st := acceptQUICStream(s, qc, cmp.Or(q.cfg.HandshakeTimeout, defaultQUICPreambleTimeout))
-			if st == nil {
+			st, err := acceptQUICStream(s, qc, cmp.Or(q.cfg.HandshakeTimeout, defaultQUICPreambleTimeout))
+			if err != nil {
+				log.Debug("shmlink: QUIC stream reset", "remote", qc.conn.RemoteAddr(), "stream", s.StreamID(), "err", err)
 				return
 			}
 			select {

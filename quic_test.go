@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"sync"
@@ -268,4 +269,51 @@ func TestQUICPeerKilled(t *testing.T) {
 	_, err = d.DialContext(ctx, "quic", addr)
 	require.Error(t, err)
 	require.NoError(t, ctx.Err(), "the dial hung until its context ended")
+}
+
+// Stats and slog work over QUIC as over shared memory: the listener's
+// Logger hears of each connection's start and end, and a stream that
+// does not start with the preamble is reset and logged.
+func TestQUICLogsAndStats(t *testing.T) {
+	var log logBuffer
+	_, stls, ctls := quicTLS(t, false)
+	cfg := &shmlink.Config{Logger: slog.New(slog.NewTextHandler(&log, &slog.HandlerOptions{Level: slog.LevelDebug}))}
+	ln, err := (&shmlink.ListenConfig{Config: cfg, TLSConfig: stls}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	go serveStreams(ln)
+
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	c, err := d.Dial("quic", ln.Addr().String())
+	require.NoError(t, err)
+	_, err = c.Write(peertest.Command(peertest.CmdEcho, 0))
+	require.NoError(t, err)
+	require.NoError(t, peertest.Echo(c, 5000, 1))
+	require.NoError(t, c.Close())
+	st := ln.Stats()
+	require.EqualValues(t, 5009, st.BytesReceived, "the command and the echo")
+	require.EqualValues(t, 5000, st.BytesSent)
+	require.Equal(t, 1, ln.NumSessions())
+
+	// A QUIC peer of the same ALPN whose stream skips the preamble.
+	tc := ctls.Clone()
+	tc.NextProtos = []string{"shmlink/1"}
+	raw, err := quic.DialAddr(t.Context(), ln.Addr().String(), tc, nil)
+	require.NoError(t, err)
+	s, err := raw.OpenStreamSync(t.Context())
+	require.NoError(t, err)
+	_, err = s.Write([]byte{0x7f, 1, 2, 3})
+	require.NoError(t, err)
+	_, err = s.Read(make([]byte, 1))
+	var se *quic.StreamError
+	require.ErrorAs(t, err, &se, "the server resets a stream without the preamble")
+	require.EqualValues(t, 2, se.ErrorCode)
+	raw.CloseWithError(0, "")
+
+	require.NoError(t, d.Close())
+	require.Eventually(t, func() bool { return ln.NumSessions() == 0 }, 10*time.Second, time.Millisecond)
+	out := log.String()
+	require.Contains(t, out, "QUIC connection started")
+	require.Contains(t, out, "QUIC connection ended")
+	require.Contains(t, out, "preamble 0x7f")
 }
