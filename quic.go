@@ -132,6 +132,10 @@ func quicUDP(address string, logger *slog.Logger) (*net.UDPConn, error) {
 	c.SetWriteBuffer(quicUDPBuffer)
 	rcv, snd := udpBuffers(c)
 	if rcv < quicUDPBuffer || snd < quicUDPBuffer {
+		forceUDPBuffers(c)
+		rcv, snd = udpBuffers(c)
+	}
+	if rcv < quicUDPBuffer || snd < quicUDPBuffer {
 		quicBufferWarning.Do(func() {
 			logger.Warn("shmlink: the kernel capped the QUIC socket buffers; raise net.core.rmem_max and wmem_max for bulk transfer (https://github.com/quic-go/quic-go/wiki/UDP-Buffer-Sizes)",
 				"receive", rcv, "send", snd, "want", quicUDPBuffer)
