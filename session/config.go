@@ -182,9 +182,13 @@ type Config struct {
 	// to two PollTimes more (about 1 ms when the process is otherwise
 	// idle, Go's timer resolution), unless another reader sleeps: events
 	// for streams nobody is reading wait that long at most
-	// (docs/protocol.md section 12). Default 50 µs, at most 10 ms;
-	// negative turns polling off (every wait sleeps, every message after
-	// a pause costs a wakeup).
+	// (docs/protocol.md section 12). A stream whose recent waits ran
+	// longer than 4 PollTimes (a server between requests that come in
+	// gaps) stops polling, since its data never comes within a poll, and
+	// polls only in one wait of 16 until its waits shorten again; waits
+	// that slept only because the peer slept too (a wakeup's time) keep
+	// polling. Default 50 µs, at most 10 ms; negative turns polling off
+	// (every wait sleeps, every message after a pause costs a wakeup).
 	PollTime time.Duration
 
 	// StreamMemoryLimit is how many bytes of the buffer region one stream's

@@ -772,7 +772,9 @@ func (st *Stream) waitForData(want int) error {
 	default:
 	}
 	st.waited = true
-	if st.spin(want) {
+	start := time.Now()
+	if st.spin(want, st.spinBudget()) {
+		st.recordWait(time.Since(start))
 		return nil
 	}
 	// About to sleep until the receive loop delivers: end any lease of the
@@ -782,12 +784,58 @@ func (st *Stream) waitForData(want int) error {
 	s.settle()
 	select {
 	case <-st.readCh:
+		st.recordWait(time.Since(start))
 	case <-s.dead:
 	case <-st.closedCh:
 	case <-st.rdl.wait():
 	}
 	s.rx.waiters.Add(-1)
 	return nil
+}
+
+// Tuning of spinBudget.
+const (
+	// longWaits is how many PollTimes a stream's mean wait must exceed for
+	// its reader to stop polling: data that comes that late never comes
+	// within a poll, and a wait that slept because the peer slept too
+	// (a wakeup's time, tens of µs) stays well below it.
+	longWaits = 4
+	// probeEvery is how often a reader whose waits run long polls anyway,
+	// to notice that traffic sped up.
+	probeEvery = 16
+)
+
+// spinBudget returns how long the next wait polls before it sleeps:
+// Config.PollTime, unless the stream's recent waits were long (a server
+// between requests that arrive in gaps; longWaits): then it sleeps at once
+// instead of burning the CPU for nothing, and polls once in probeEvery
+// waits. The caller holds rmu.
+func (st *Stream) spinBudget() time.Duration {
+	limit := st.s.cfg.PollTime
+	if limit <= 0 || st.waitEWMA <= longWaits*limit {
+		return limit
+	}
+	if st.waitSkips++; st.waitSkips >= probeEvery {
+		st.waitSkips = 0
+		return limit
+	}
+	return 0
+}
+
+// recordWait adds a wait of d to the stream's mean (an EWMA of weight 1/8;
+// a wait counts as at most 2*longWaits PollTimes, so the mean comes back
+// down within a dozen waits once data flows again). The caller holds rmu.
+func (st *Stream) recordWait(d time.Duration) {
+	limit := st.s.cfg.PollTime
+	if limit <= 0 {
+		return // no polling to tune
+	}
+	d = min(d, 2*longWaits*limit)
+	if st.waitEWMA == 0 {
+		st.waitEWMA = max(d, 1)
+		return
+	}
+	st.waitEWMA += (d - st.waitEWMA) / 8
 }
 
 // Read reads up to len(p) bytes; see net.Conn. After the peer's Close it
@@ -1090,9 +1138,9 @@ const spinBatch = 64
 // session spins; spin returns false at once in the others, and when its
 // time runs out; true when st may be readable, ended, closed or past its
 // read deadline.
-func (st *Stream) spin(want int) bool {
+func (st *Stream) spin(want int, budget time.Duration) bool {
 	s := st.s
-	if s.cfg.PollTime <= 0 || !s.rx.spinning.CompareAndSwap(false, true) {
+	if budget <= 0 || !s.rx.spinning.CompareAndSwap(false, true) {
 		return false
 	}
 	// Got what it waited for, the reader leases the working flag to its
@@ -1121,7 +1169,7 @@ func (st *Stream) spin(want int) bool {
 		}
 		if now := time.Now(); harvested {
 			idleSince = now
-		} else if now.Sub(idleSince) > s.cfg.PollTime {
+		} else if now.Sub(idleSince) > budget {
 			s.ctr.spinMisses.Add(1)
 			return false
 		}

@@ -37,11 +37,16 @@ type Stream struct {
 	rdl, wdl deadline
 
 	// Read side, guarded by rmu: one read call at a time.
-	rmu      sync.Mutex
-	reads    uint64       // read calls ended
-	waited   bool         // the current read call waited for data
-	inRead   atomic.Bool  // a read call is running (read by the receive loop)
-	lastRead atomic.Int64 // when a recent read call ended, Unix ns (see endRead)
+	rmu    sync.Mutex
+	reads  uint64 // read calls ended
+	waited bool   // the current read call waited for data
+	// waitEWMA is the recent waits' mean length, in ns (0: none yet), and
+	// waitSkips counts the waits that did not poll since the last that did
+	// (see spinBudget).
+	waitEWMA  time.Duration
+	waitSkips uint32
+	inRead    atomic.Bool  // a read call is running (read by the receive loop)
+	lastRead  atomic.Int64 // when a recent read call ended, Unix ns (see endRead)
 
 	// Write side, guarded by wmu: one write call at a time.
 	wmu       sync.Mutex

@@ -2,6 +2,7 @@ package session
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -47,4 +48,41 @@ func TestWaitStats(t *testing.T) {
 			}
 		})
 	}
+}
+
+// spinBudget polls for PollTime unless the stream's waits ran longer than
+// longWaits PollTimes: then only one wait in probeEvery polls, and the
+// mean comes back down within a dozen quick waits. Waits that slept for a
+// wakeup's time keep polling.
+func TestSpinBudget(t *testing.T) {
+	const limit = 50 * time.Microsecond
+	st := &Stream{s: &Session{cfg: Config{PollTime: limit}}}
+	require.Equal(t, limit, st.spinBudget(), "nothing learned yet")
+	for range 50 {
+		st.recordWait(150 * time.Microsecond) // both sides asleep: a wakeup each way
+	}
+	require.Equal(t, limit, st.spinBudget(), "waits of a wakeup's time keep polling")
+
+	for range 30 {
+		st.recordWait(time.Second) // requests in gaps
+	}
+	require.LessOrEqual(t, st.waitEWMA, 2*longWaits*limit, "a long wait counts as 2*longWaits PollTimes at most")
+	polls := 0
+	for range 4 * probeEvery {
+		if st.spinBudget() > 0 {
+			polls++
+		}
+	}
+	require.Equal(t, 4, polls, "one probe in probeEvery waits")
+
+	waits := 0
+	for st.spinBudget() == 0 || st.waitEWMA > longWaits*limit {
+		st.recordWait(3 * time.Microsecond)
+		waits++
+		require.Less(t, waits, 12, "the mean stays up after traffic sped up")
+	}
+
+	off := &Stream{s: &Session{cfg: Config{PollTime: -1}}}
+	off.recordWait(time.Second)
+	require.LessOrEqual(t, off.spinBudget(), time.Duration(0), "PollTime < 0: no polling")
 }
