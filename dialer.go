@@ -164,6 +164,21 @@ type dialCall struct {
 	err  error
 }
 
+// wait waits until the dial is done and returns its error, or nil if it
+// succeeded or failed only for its own context (the waiter dials again),
+// or ctx's error if ctx ends first.
+func (c *dialCall) wait(ctx context.Context) error {
+	select {
+	case <-c.done:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	if errors.Is(c.err, context.Canceled) || errors.Is(c.err, context.DeadlineExceeded) {
+		return nil
+	}
+	return c.err
+}
+
 // leastLoaded drops the sessions that ended, sets those draining for a hot
 // restart aside, and returns the one with the fewest streams of the others
 // and that number, or nil when none is left.
@@ -302,13 +317,8 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 		if call := p.dial; call != nil {
 			// No session yet: wait for the dial in progress.
 			d.mu.Unlock()
-			select {
-			case <-call.done:
-			case <-ctx.Done():
-				return nil, ctx.Err()
-			}
-			if call.err != nil && !errors.Is(call.err, context.Canceled) && !errors.Is(call.err, context.DeadlineExceeded) {
-				return nil, call.err
+			if err := call.wait(ctx); err != nil {
+				return nil, err
 			}
 			continue // it succeeded, or failed for its own context
 		}
@@ -392,10 +402,7 @@ func (d *Dialer) Stats() Stats {
 	defer d.mu.Unlock()
 	t := sumStats(d.ended, d.live)
 	if q := d.quic; q != nil {
-		addQUICStats(&t, q.ended)
-		for qc := range q.live {
-			addQUICStats(&t, qc.stats())
-		}
+		sumQUICStats(&t, q.ended, q.live)
 	}
 	return t
 }

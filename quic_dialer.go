@@ -80,13 +80,8 @@ func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, err
 		}
 		if call := q.dials[address]; call != nil {
 			d.mu.Unlock()
-			select {
-			case <-call.done:
-			case <-ctx.Done():
-				return nil, ctx.Err()
-			}
-			if call.err != nil && !errors.Is(call.err, context.Canceled) && !errors.Is(call.err, context.DeadlineExceeded) {
-				return nil, call.err
+			if err := call.wait(ctx); err != nil {
+				return nil, err
 			}
 			continue
 		}

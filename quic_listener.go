@@ -287,10 +287,8 @@ func (q *quicListener) closeConns() int {
 func (q *quicListener) stats() Stats {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	t := q.ended
-	for qc := range q.conns {
-		addQUICStats(&t, qc.stats())
-	}
+	var t Stats
+	sumQUICStats(&t, q.ended, q.conns)
 	return t
 }
 
@@ -299,6 +297,15 @@ func (q *quicListener) numConns() int {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return len(q.conns)
+}
+
+// sumQUICStats adds to t the counters of the connections that ended and
+// of those in live.
+func sumQUICStats(t *Stats, ended Stats, live map[*quicConn]struct{}) {
+	addQUICStats(t, ended)
+	for qc := range live {
+		addQUICStats(t, qc.stats())
+	}
 }
 
 // addQUICStats adds a QUIC connection's counters to t.
