@@ -235,10 +235,14 @@ func (qc *quicConn) armIdleLocked() {
 	}
 }
 
-// idleExpired closes the connection if it still has no stream.
+// idleExpired closes the connection if it still has no stream; a dial
+// that picked it meanwhile finds it closing (tryOpen) and dials anew.
 func (qc *quicConn) idleExpired() {
 	qc.mu.Lock()
 	idle := qc.streams == 0
+	if idle {
+		qc.closeIdle = true
+	}
 	qc.mu.Unlock()
 	if idle {
 		qc.conn.CloseWithError(quicCodeClosed, "idle")
