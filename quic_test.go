@@ -317,3 +317,24 @@ func TestQUICLogsAndStats(t *testing.T) {
 	require.Contains(t, out, "QUIC connection ended")
 	require.Contains(t, out, "preamble 0x7f")
 }
+
+// A QUIC connection without a stream for Dialer.IdleTimeout is closed,
+// at the server too, and the next dial opens another.
+func TestQUICDialerIdleTimeout(t *testing.T) {
+	ln, d := quicPair(t)
+	d.IdleTimeout = 20 * time.Millisecond
+	go serveStreams(ln)
+	echo := func(seed uint64) {
+		c, err := d.Dial("quic", ln.Addr().String())
+		require.NoError(t, err)
+		defer c.Close()
+		_, err = c.Write(peertest.Command(peertest.CmdEcho, 0))
+		require.NoError(t, err)
+		require.NoError(t, peertest.Echo(c, 100, seed))
+	}
+	echo(1)
+	require.Eventually(t, func() bool { return d.NumSessions() == 0 && ln.NumSessions() == 0 },
+		10*time.Second, time.Millisecond, "the idle connection stays")
+	echo(2)
+	require.Equal(t, 1, d.NumSessions())
+}
