@@ -34,9 +34,11 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/shmlink/shmlink"
@@ -81,8 +83,10 @@ func runServer(dir string, mtls bool) error {
 	}
 	fmt.Println("ready", ln.Addr())
 	go func() {
-		io.Copy(io.Discard, os.Stdin) // the client closes our stdin to stop us
-		ln.Close()
+		io.Copy(io.Discard, os.Stdin) // the client closes our stdin, or died
+		// End the connections too: a client that was killed would hold
+		// them until the QUIC idle timeout.
+		ln.CloseSessions()
 	}()
 	var streams sync.WaitGroup
 	defer streams.Wait()
@@ -111,6 +115,15 @@ func runClient(mtls bool) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
+	// On Ctrl-C or SIGTERM, remove the key material before exiting; the
+	// server exits when its standard input closes with us.
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, os.Interrupt, syscall.SIGTERM)
+	go func() {
+		<-sig
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}()
 	ca, caKey, err := writeTLS(dir)
 	if err != nil {
 		return err
