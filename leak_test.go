@@ -67,7 +67,7 @@ func requireBackTo(t *testing.T, base resources, extra func(c *assert.CollectT),
 	}, 10*time.Second, time.Millisecond)
 	if !ok {
 		buf := make([]byte, 1<<20)
-		t.Fatalf("leak; goroutines:\n%s", buf[:runtime.Stack(buf, true)])
+		t.Fatalf("leak; descriptors: %v\ngoroutines:\n%s", openFiles(), buf[:runtime.Stack(buf, true)])
 	}
 }
 
@@ -123,4 +123,16 @@ func TestDialOwnsSession(t *testing.T) {
 	require.NoError(t, c.Close())
 	requireNoLeaks(t, base)
 	require.NoError(t, ln.Close())
+}
+
+// openFiles names what each open descriptor of this process refers to,
+// for failure messages.
+func openFiles() []string {
+	entries, _ := os.ReadDir("/proc/self/fd")
+	var names []string
+	for _, e := range entries {
+		target, _ := os.Readlink(filepath.Join("/proc/self/fd", e.Name()))
+		names = append(names, e.Name()+"="+target)
+	}
+	return names
 }

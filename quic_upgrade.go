@@ -96,6 +96,7 @@ type routedConn struct {
 	handedOver atomic.Bool   // reading from fwdIn now
 	fwdIn      *net.UnixConn // from the next generation; set before handedOver
 	inBuf      []byte        // read buffer of fwdIn; one reader (quic-go's)
+	outBuf     []byte        // a packet being forwarded; used by that reader only
 
 	mu      sync.Mutex
 	fwdOut  *net.UnixConn // to the previous generation while it drains
@@ -133,12 +134,12 @@ func (r *routedConn) forwarded(p []byte, from *net.UDPAddr) bool {
 	if tag, ok := packetTag(p); !ok || tag != prev {
 		return false
 	}
-	msg := make([]byte, fwdHeader+len(p))
 	ap := from.AddrPort()
-	a16 := netip.AddrFrom16(ap.Addr().As16())
-	copy(msg, a16.AsSlice())
+	ip := ap.Addr().As16() // an IPv4 address as IPv4-mapped
+	msg := append(append(r.outBuf[:0], ip[:]...), 0, 0)
 	binary.BigEndian.PutUint16(msg[16:], ap.Port())
-	copy(msg[fwdHeader:], p)
+	msg = append(msg, p...)
+	r.outBuf = msg
 	raw, err := out.SyscallConn()
 	if err == nil {
 		var werr error

@@ -773,7 +773,7 @@ func (st *Stream) waitForData(want int) error {
 	}
 	st.waited = true
 	start := time.Now()
-	if st.spin(want, st.spinBudget()) {
+	if st.spin(want, st.spinBudget(), start) {
 		st.recordWait(time.Since(start))
 		return nil
 	}
@@ -1131,14 +1131,15 @@ const spinBatch = 64
 
 // spin waits for want bytes (or the stream's end) by spinning on the
 // receive queue itself, dispatching what it pops to every stream, for as
-// long as events keep coming and then Config.PollTime more. Meanwhile it
+// long as events keep coming and then budget more (counted from start, the
+// wait's beginning, until the first event: spinBudget). Meanwhile it
 // holds the queue's working flag at 1, so the peer sends no Polling
 // (docs/protocol.md section 3.3): while traffic flows a message costs no
 // system call and no goroutine switch on either side. One reader per
 // session spins; spin returns false at once in the others, and when its
 // time runs out; true when st may be readable, ended, closed or past its
 // read deadline.
-func (st *Stream) spin(want int, budget time.Duration) bool {
+func (st *Stream) spin(want int, budget time.Duration, start time.Time) bool {
 	s := st.s
 	if budget <= 0 || !s.rx.spinning.CompareAndSwap(false, true) {
 		return false
@@ -1147,7 +1148,7 @@ func (st *Stream) spin(want int, budget time.Duration) bool {
 	// next spin; otherwise it settles the flag.
 	ready := false
 	defer func() { s.endSpin(ready) }()
-	idleSince := time.Now()
+	idleSince := start
 	for {
 		harvested, err := st.spinBatch(want)
 		if err != nil {
