@@ -531,6 +531,7 @@ func (w *waitStats) report(b *testing.B, ops int) {
 	st := w.sess.Stats()
 	b.ReportMetric(float64(st.SpinHits-w.stats0.SpinHits)/float64(ops), "hits/op")
 	b.ReportMetric(float64(st.Parks-w.stats0.Parks)/float64(ops), "parks/op")
+	b.ReportMetric(float64(st.SelfWakes-w.stats0.SelfWakes)/float64(ops), "self/op")
 }
 
 // pingPong is one case of BenchmarkPingPong.

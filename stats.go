@@ -22,6 +22,7 @@ func addStats(t *Stats, s session.Stats) {
 	t.SpinHits += s.SpinHits
 	t.SpinMisses += s.SpinMisses
 	t.Parks += s.Parks
+	t.SelfWakes += s.SelfWakes
 	t.ActiveStreams += s.ActiveStreams
 }
 

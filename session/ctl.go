@@ -245,7 +245,7 @@ func (s *Session) writeFailed(err error) error {
 	}
 	serr := &SessionError{Op: "write", Err: err}
 	if s.ctl.broken.CompareAndSwap(nil, serr) {
-		s.conn.SetReadDeadline(time.Now().Add(s.ctl.timeout))
+		s.rx.in.setBroken(s, time.Now().Add(s.ctl.timeout))
 	} else {
 		serr = s.ctl.broken.Load()
 	}

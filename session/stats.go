@@ -20,7 +20,8 @@ type Stats struct {
 	AcksIgnored     uint64 // HotRestartAck messages that answered no HotRestart of ours
 	SpinHits        uint64 // reader waits that ended while spinning (docs/protocol.md section 12)
 	SpinMisses      uint64 // spins that ran out of PollTime before data came
-	Parks           uint64 // reader waits that slept until the receive loop delivered
+	Parks           uint64 // reader waits that slept until a Polling (or the receive loop) delivered
+	SelfWakes       uint64 // of Parks: the reader read the control connection itself (docs/protocol.md section 12.1)
 	ActiveStreams   int    // streams the session tracks now
 	SlicesInUse     []int  // allocated slices per buffer list, by both sides
 }
@@ -35,6 +36,7 @@ type counters struct {
 	spilled                      atomic.Uint64
 	streamsRefused, acksIgnored  atomic.Uint64
 	spinHits, spinMisses, parks  atomic.Uint64
+	selfWakes                    atomic.Uint64
 }
 
 // Stats returns a snapshot of the session's counters. SlicesInUse is nil
@@ -57,6 +59,7 @@ func (s *Session) Stats() Stats {
 		SpinHits:        s.ctr.spinHits.Load(),
 		SpinMisses:      s.ctr.spinMisses.Load(),
 		Parks:           s.ctr.parks.Load(),
+		SelfWakes:       s.ctr.selfWakes.Load(),
 		ActiveStreams:   s.NumStreams(),
 	}
 	s.withMem(func(m *memory) error {

@@ -202,6 +202,7 @@ func (st *Stream) SetReadDeadline(t time.Time) error {
 		return ErrStreamClosed
 	}
 	st.rdl.set(t)
+	st.s.rx.in.kick(st.s, st) // a reader reading the connection must see it
 	return nil
 }
 
@@ -214,12 +215,14 @@ func (st *Stream) SetWriteDeadline(t time.Time) error {
 	return nil
 }
 
-// notifyRead wakes the stream's reader, if one waits.
+// notifyRead wakes the stream's reader, if one waits: asleep, or
+// reading the control connection (ctlIn).
 func (st *Stream) notifyRead() {
 	select {
 	case st.readCh <- struct{}{}:
 	default:
 	}
+	st.s.rx.in.kick(st.s, st)
 }
 
 // Close closes the stream: the peer reads io.EOF after the data already
@@ -240,6 +243,7 @@ func (st *Stream) Close() error {
 	}
 	st.rdl.stop()
 	st.wdl.stop()
+	st.s.rx.in.kick(st.s, st)
 	st.wmu.Lock()
 	st.abortLocked()
 	viaSocket := st.viaSocket

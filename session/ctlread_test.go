@@ -1,0 +1,169 @@
+package session
+
+import (
+	"os"
+	"testing"
+	"time"
+
+	"github.com/shmlink/shmlink/internal/wire"
+	"github.com/shmlink/shmlink/queue"
+	"github.com/stretchr/testify/require"
+)
+
+// putRaw puts data for stream id on the raw client's send queue, without
+// a Polling.
+func putRaw(t *testing.T, mem *memory, id uint32, data string) {
+	t.Helper()
+	off, err := mem.region.Alloc(len(data))
+	require.NoError(t, err)
+	require.NoError(t, mem.region.SetPayload(off, uint32(len(data))))
+	p, _, _, err := mem.region.Payload(off)
+	require.NoError(t, err)
+	copy(p, data)
+	require.NoError(t, mem.send.Put(queue.Event{StreamID: id, Offset: off}))
+}
+
+// result returns what the read behind done returned, failing the test if
+// it still waits after 10 s.
+func result(t *testing.T, done <-chan error) error {
+	t.Helper()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(10 * time.Second):
+		t.Fatal("the read still waits after 10 s")
+		return nil
+	}
+}
+
+// waitPumping waits until st's reader reads the control connection itself
+// and is blocked there (docs/protocol.md section 12.1).
+func waitPumping(t *testing.T, st *Stream) {
+	t.Helper()
+	waitFor(t, "the reader reads the connection", func() bool { return st.s.rx.in.pumping.Load() == st })
+}
+
+// A reader that sleeps reads the Polling that wakes it itself: with
+// polling off, every wait but the first (which may find the receive loop
+// reading) is a self-wake, one Polling each.
+func TestSelfWakes(t *testing.T) {
+	client, server := pair(t, &Config{PollTime: -1})
+	client.rx.in.handBackAfter = time.Hour // the loop never takes it back here
+	c, s := streamPair(t, client, server)
+	before := client.Stats()
+	got := make([]byte, 1)
+	for i := range 20 {
+		done := readAsync(c, got)
+		waitFor(t, "the reader waits", func() bool { return client.rx.waiters.Load() > 0 })
+		_, err := s.Write([]byte{byte(i)})
+		require.NoError(t, err)
+		require.NoError(t, result(t, done))
+		require.Equal(t, byte(i), got[0])
+	}
+	st := client.Stats()
+	require.Equal(t, before.Parks+20, st.Parks, "%+v", st)
+	require.GreaterOrEqual(t, st.SelfWakes-before.SelfWakes, uint64(19), "%+v", st)
+	require.LessOrEqual(t, st.SelfWakes-before.SelfWakes, uint64(20), "%+v", st)
+	require.Equal(t, before.WakeupsReceived+20, st.WakeupsReceived, "one Polling per byte")
+}
+
+// A stream whose data usually comes within a poll leaves the connection to
+// the receive loop; one whose waits run long reads it itself.
+func TestSelfWakeChoice(t *testing.T) {
+	st := &Stream{s: &Session{cfg: Config{PollTime: 50 * time.Microsecond}}}
+	require.False(t, st.selfWake(st.spinBudget()), "nothing learned: polls, then sleeps")
+	for range 30 {
+		st.recordWait(time.Second)
+	}
+	require.True(t, st.selfWake(st.spinBudget()), "long waits: no poll, reads the connection")
+	off := &Stream{s: &Session{cfg: Config{PollTime: -1}}}
+	require.True(t, off.selfWake(off.spinBudget()), "polling off")
+}
+
+// A reader blocked on the connection is kicked when its data comes by
+// another way: here another stream's reader, spinning on the receive
+// queue (so the peer sends no Polling), harvests it.
+func TestPumpKickedByHarvest(t *testing.T) {
+	mem, server, write := rawClient(t, nil, &Config{PollTime: endlessPolls(t)})
+	announceRaw(t, mem, 2, write)
+	announceRaw(t, mem, 4, write)
+	a, b := accept(t, server), accept(t, server)
+	if a.ID() != 2 {
+		a, b = b, a
+	}
+	gotB := make([]byte, 2)
+	doneB := readAsync(b, gotB)
+	waitFor(t, "b spins", func() bool { return server.rx.spinning.Load() })
+	gotA := make([]byte, 2)
+	a.waitEWMA = 8 * time.Hour // a's waits run long: it reads the connection itself
+	doneA := readAsync(a, gotA)
+	waitPumping(t, a)
+
+	putRaw(t, mem, 2, "aa") // no Polling: the server's working flag is 1
+	require.NoError(t, result(t, doneA))
+	require.Equal(t, "aa", string(gotA))
+	putRaw(t, mem, 4, "bb")
+	require.NoError(t, result(t, doneB))
+	require.Equal(t, "bb", string(gotB))
+	require.NoError(t, server.Err())
+}
+
+// A reader blocked on the connection sees a new read deadline, and Close;
+// then the connection goes back to the receive loop.
+func TestPumpDeadlineAndClose(t *testing.T) {
+	mem, server, write := rawClient(t, nil, &Config{PollTime: -1})
+	announceRaw(t, mem, 2, write)
+	st := accept(t, server)
+	done := readAsync(st, make([]byte, 1))
+	waitPumping(t, st)
+	require.NoError(t, st.SetReadDeadline(time.Now()))
+	require.ErrorIs(t, result(t, done), os.ErrDeadlineExceeded)
+
+	require.NoError(t, st.SetReadDeadline(time.Time{}))
+	done = readAsync(st, make([]byte, 1))
+	waitPumping(t, st)
+	require.NoError(t, st.Close())
+	require.ErrorIs(t, result(t, done), ErrStreamClosed)
+
+	announceRaw(t, mem, 4, write)
+	require.EqualValues(t, 4, accept(t, server).ID())
+	require.NoError(t, server.Err())
+}
+
+// A message a reader does not read itself (FallbackData) goes to the
+// receive loop, which delivers it; a message cut short by the reader's
+// deadline stays for the next read; the connection's end reaches a reader
+// blocked on it as the session's error.
+func TestPumpHandsOver(t *testing.T) {
+	mem, server, cc := rawClientConn(t, nil, &Config{PollTime: -1})
+	write := func(b []byte) error { _, err := cc.Write(b); return err }
+	announceRaw(t, mem, 2, write)
+	st := accept(t, server)
+	got := make([]byte, 5)
+	done := readAsync(st, got)
+	waitPumping(t, st)
+	msg := wire.AppendFallbackHeader(nil, 3, 2, stateOpen, 5)
+	require.NoError(t, write(append(msg, "hello"...)))
+	require.NoError(t, result(t, done))
+	require.Equal(t, "hello", string(got))
+	require.EqualValues(t, 1, server.Stats().FallbackReads)
+
+	// Half a Polling, then the reader's deadline: the rest comes later.
+	poll := wire.AppendSimple(nil, 3, wire.TypePolling)
+	require.NoError(t, write(poll[:3]))
+	require.NoError(t, st.SetReadDeadline(time.Now().Add(50*time.Millisecond)))
+	_, err := st.Read(make([]byte, 1))
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	require.NoError(t, st.SetReadDeadline(time.Time{}))
+	putRaw(t, mem, 2, "x")
+	done = readAsync(st, got[:1])
+	require.NoError(t, write(poll[3:]))
+	require.NoError(t, result(t, done))
+	require.Equal(t, "x", string(got[:1]))
+	require.NoError(t, server.Err())
+
+	done = readAsync(st, got[:1])
+	waitPumping(t, st)
+	require.NoError(t, cc.Close())
+	require.ErrorIs(t, result(t, done), ErrPeerClosed)
+}
