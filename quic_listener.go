@@ -106,7 +106,7 @@ func startQUICListener(tr *quic.Transport, udp *net.UDPConn, rc *routedConn, up 
 	ln, err := tr.Listen(tlsConf, qcfg)
 	if err != nil {
 		tr.Close()
-		udp.Close()
+		closeSockets(udp, rc)
 		return nil, err
 	}
 	q := &quicListener{
@@ -254,13 +254,23 @@ func (q *quicListener) close() error {
 	}
 	go func() {
 		q.wg.Wait()
-		q.tr.Close()
-		q.udp.Close()
+		q.tr.Close() // which leaves the sockets it did not open to us
+		closeSockets(q.udp, q.rc)
 	}()
 	if errors.Is(err, quic.ErrServerClosed) {
 		err = nil
 	}
 	return err
+}
+
+// closeSockets closes a QUIC listener's sockets: udp, or all that rc
+// reads and writes (the forwarding sockets of an upgrade too) if not nil.
+func closeSockets(udp *net.UDPConn, rc *routedConn) {
+	if rc != nil {
+		rc.Close()
+		return
+	}
+	udp.Close()
 }
 
 // liveLocked returns the live connections; the caller holds q.mu.

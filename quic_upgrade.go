@@ -94,7 +94,7 @@ type routedConn struct {
 	tag byte // this generation's
 
 	handedOver atomic.Bool   // reading from fwdIn now
-	fwdIn      *net.UnixConn // from the next generation; set before handedOver
+	fwdIn      *net.UnixConn // from the next generation; set (under mu) before handedOver
 	inBuf      []byte        // read buffer of fwdIn; one reader (quic-go's)
 	outBuf     []byte        // a packet being forwarded; used by that reader only
 
@@ -187,9 +187,10 @@ func (r *routedConn) Close() error {
 		r.fwdOut.Close()
 		r.fwdOut = nil
 	}
+	in := r.fwdIn
 	r.mu.Unlock()
-	if r.fwdIn != nil {
-		r.fwdIn.Close()
+	if in != nil {
+		in.Close()
 	}
 	return r.udp.Close()
 }
@@ -273,7 +274,9 @@ func (h quicHandover) Extras() ([]net.Listener, func(bool), error) {
 			in.Close()
 			return
 		}
+		h.q.rc.mu.Lock()
 		h.q.rc.fwdIn = in
+		h.q.rc.mu.Unlock()
 	}, nil
 }
 
