@@ -167,3 +167,27 @@ func TestPumpHandsOver(t *testing.T) {
 	require.NoError(t, cc.Close())
 	require.ErrorIs(t, result(t, done), ErrPeerClosed)
 }
+
+// A reader that got its data leaves the connection free; the receive loop
+// takes it back after handBackAfter, so a stream announced meanwhile is
+// accepted although no reader reads.
+func TestHandBack(t *testing.T) {
+	mem, server, write := rawClient(t, nil, &Config{PollTime: -1})
+	announceRaw(t, mem, 2, write)
+	st := accept(t, server)
+	got := make([]byte, 2)
+	done := readAsync(st, got)
+	waitPumping(t, st)
+	putRaw(t, mem, 2, "hi")
+	require.NoError(t, write(wire.AppendSimple(nil, 3, wire.TypePolling)))
+	require.NoError(t, result(t, done))
+	require.Equal(t, "hi", string(got))
+	require.EqualValues(t, 1, server.Stats().SelfWakes)
+
+	announceRaw(t, mem, 4, write) // nobody reads the connection now
+	require.EqualValues(t, 4, accept(t, server).ID())
+	in := &server.rx.in
+	in.kickMu.Lock()
+	defer in.kickMu.Unlock()
+	require.True(t, in.loopHas, "the receive loop reads the connection again")
+}
