@@ -408,20 +408,21 @@ func (in *ctlIn) needReader() {
 
 // pump reads the connection for st's reader, waiting for want bytes, if
 // nobody else reads it (see ctlIn); ok says whether it did, and st may
-// have changed. If the receive loop reads it, pump asks it to let go; the
-// caller then waits, and ctlIn.freed says that the connection is free.
-// The caller holds rmu and counts in rx.waiters.
-func (st *Stream) pump(want int) (ok bool) {
+// have changed. If the receive loop reads it, pump asks it to let go
+// (asked); the caller then waits, ctlIn.freed says that the connection is
+// free, and a caller that goes without reading it withdraws the request
+// (withdraw). The caller holds rmu and counts in rx.waiters.
+func (st *Stream) pump(want int) (ok, asked bool) {
 	s := st.s
 	in := &s.rx.in
 	if !in.tok.TryLock() {
 		in.kickMu.Lock()
 		if in.loopHas {
-			in.yield = true
+			in.yield, asked = true, true
 			in.kickLocked(s)
 		}
 		in.kickMu.Unlock()
-		return false
+		return false, asked
 	}
 	rdl, _ := st.rdl.when()
 	in.kickMu.Lock()
@@ -438,5 +439,21 @@ func (st *Stream) pump(want int) (ok bool) {
 	} else {
 		in.armHandBack()
 	}
-	return res != ctlHandOff
+	return res != ctlHandOff, false
+}
+
+// withdraw takes back a reader's request that the receive loop let go of
+// the connection, for a reader that got what it waited for another way:
+// a request still pending is dropped, and a connection already let go is
+// taken back at once, since other readers may sleep counting on the loop.
+func (in *ctlIn) withdraw() {
+	in.kickMu.Lock()
+	defer in.kickMu.Unlock()
+	if in.yield {
+		in.yield = false
+		return
+	}
+	if !in.loopHas {
+		signal(in.bgWake) // the loop takes it unless a reader holds it
+	}
 }

@@ -734,11 +734,16 @@ func (st *Stream) waitForData(want int) error {
 	} else {
 		s.rx.in.needReader()
 	}
+	asked := false // this reader asked the receive loop to let go
 	for {
-		if freed != nil && st.pump(want) {
-			s.ctr.selfWakes.Add(1)
-			st.recordWait(time.Since(start))
-			return nil
+		if freed != nil {
+			ok, ask := st.pump(want)
+			if ok {
+				s.ctr.selfWakes.Add(1)
+				st.recordWait(time.Since(start))
+				return nil
+			}
+			asked = asked || ask
 		}
 		select {
 		case <-st.readCh:
@@ -748,6 +753,9 @@ func (st *Stream) waitForData(want int) error {
 		case <-st.rdl.wait():
 		case <-freed:
 			continue // the receive loop let go of the connection
+		}
+		if asked {
+			s.rx.in.withdraw()
 		}
 		return nil
 	}
