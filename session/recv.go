@@ -704,9 +704,9 @@ func (st *Stream) tryRead(want int, f func(region *buffer.Region) error) (ran bo
 
 // waitForData waits until something may have changed for a reader waiting
 // for want bytes: it spins on the receive queue first; then, if its waits
-// usually outlast a poll (selfWake), it reads the control connection
-// itself if nobody else does (pump); else it sleeps until the receive
-// loop, or the reader that reads the connection, delivers. It returns a
+// run long (selfWake), it reads the control connection itself if nobody
+// else does (pump); else it sleeps until the receive loop, or the reader
+// that reads the connection, delivers. It returns a
 // deadline error once the read deadline has passed. The caller holds rmu.
 func (st *Stream) waitForData(want int) error {
 	s := st.s
