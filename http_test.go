@@ -109,6 +109,9 @@ func httpHandler(c httpCorpus, served *atomic.Int64) http.Handler {
 			http.Error(w, fmt.Sprintf("request %d: %v", i, err), http.StatusBadRequest)
 			return
 		}
+		// Counted before the response goes out: a client may have all of
+		// a response with a Content-Length before this handler returns.
+		served.Add(1)
 		resp := c.response(i)
 		if i%2 == 0 {
 			w.Header().Set("Content-Length", strconv.Itoa(len(resp)))
@@ -118,7 +121,6 @@ func httpHandler(c httpCorpus, served *atomic.Int64) http.Handler {
 				return
 			}
 		}
-		served.Add(1)
 	})
 	return mux
 }
