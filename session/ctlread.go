@@ -197,8 +197,8 @@ type ctlResult int
 const (
 	ctlDone    ctlResult = iota // the receive loop: the connection ended
 	ctlYield                    // the receive loop: a reader takes the connection
-	ctlReady                    // a pump: its stream has data, or its wait ended
-	ctlEnded                    // a pump: its stream, or the session, ended
+	ctlReady                    // a pump: its stream has the bytes it waits for
+	ctlEnded                    // a pump: its stream or the session ended, or its deadline passed
 	ctlHandOff                  // a pump: the rest is the receive loop's
 )
 
