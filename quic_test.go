@@ -17,6 +17,7 @@ import (
 	"github.com/quic-go/quic-go"
 	"github.com/shmlink/shmlink"
 	"github.com/shmlink/shmlink/internal/peertest"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"golang.org/x/net/nettest"
 )
@@ -290,9 +291,13 @@ func TestQUICLogsAndStats(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, peertest.Echo(c, 5000, 1))
 	require.NoError(t, c.Close())
-	st := ln.Stats()
-	require.EqualValues(t, 5009, st.BytesReceived, "the command and the echo")
-	require.EqualValues(t, 5000, st.BytesSent)
+	// The server counts its bytes once its writes return, which may be
+	// after the client has read them.
+	require.EventuallyWithT(t, func(c *assert.CollectT) {
+		st := ln.Stats()
+		assert.EqualValues(c, 5009, st.BytesReceived, "the command and the echo")
+		assert.EqualValues(c, 5000, st.BytesSent)
+	}, 10*time.Second, time.Millisecond)
 	require.Equal(t, 1, ln.NumSessions())
 
 	// A QUIC peer of the same ALPN whose stream skips the preamble.
