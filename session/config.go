@@ -178,11 +178,11 @@ type Config struct {
 	// it sleeps until the peer's wakeup message. While it polls, the peer
 	// sends no wakeups, so a message costs no system call; the price is a
 	// busy CPU for up to PollTime after traffic stops. A reader that got
-	// its data leaves the flag that spares the peer's wakeups set for one
-	// to two PollTimes more (about 1 ms when the process is otherwise
-	// idle, Go's timer resolution), unless another reader sleeps: events
-	// for streams nobody is reading wait that long at most
-	// (docs/protocol.md section 12). A stream whose recent waits ran
+	// its data leaves the flag that spares the peer's wakeups set (a
+	// lease) until no reader has polled for 16 to 32 ms (20 to 40 ms on a
+	// client; at least PollTime), unless another reader sleeps: events for
+	// streams nobody is reading wait that long at most, and no reader
+	// waits on them (docs/protocol.md sections 12, 12.2). A stream whose recent waits ran
 	// longer than 4 PollTimes (a server between requests that come in
 	// gaps) stops polling, since its data never comes within a poll, and
 	// polls only in one wait of 16 until its waits shorten again; waits

@@ -35,27 +35,28 @@ import (
 //   - A pump reads Polling and StreamClose messages only. Anything else
 //     (FallbackData, HotRestart, an error) it leaves to the receive loop.
 //   - A pump that got its data keeps the connection free for a while
-//     (ctlIn.handBackAfter): a reader that loops (a request handler, a
-//     bufio.Reader) is back within microseconds and takes it again without
-//     waking anyone. After that, or at once when other goroutines wait for
-//     the session or the stream ended, the receive loop takes it back
-//     (bgWake).
+//     (ctlIn.handBackAfter, at most standbyTick): a reader that loops (a
+//     request handler, a bufio.Reader) is back within microseconds and
+//     takes it again without waking anyone. After that, or at once when
+//     other goroutines wait for the session or the stream ended, the
+//     receive loop takes it back (bgWake, signalled by the session's
+//     timer: tick.go).
 //   - Something else a pump waits for (its stream's data dispatched by
 //     another goroutine, Close, a new read deadline) kicks it while it is
 //     blocked between messages.
 //
 // Messages that arrive while nobody holds the connection wait in the
-// socket for at most handBackAfter; none of them is needed by a reader in
-// a read call, which would hold the connection or have woken the receive
-// loop. Only AcceptStream may wait that long for a stream opened
-// meanwhile.
+// socket for that while; none of them is needed by a reader in a read
+// call, which would hold the connection or have woken the receive loop.
+// Only AcceptStream may wait that long for a stream opened meanwhile.
 
 // How long the connection stays free after a pump got its data, before
-// the receive loop reads it again (ctlIn.handBackAfter). On a server,
-// AcceptStream may wait that long for a stream opened meanwhile, so it is
-// short: a server's reader (a request handler) is back within it. A
-// client's reader may pause between requests for longer, and nothing on a
-// client waits for the receive loop but what ends or drains the session.
+// the receive loop reads it again (ctlIn.handBackAfter), when the
+// session's timer was stopped; while it runs anyway, up to standbyTick. On
+// a server, AcceptStream may wait that long for a stream opened meanwhile,
+// so it is short: a server's reader (a request handler) is back within it.
+// A client's reader may pause between requests for longer, and nothing on
+// a client waits for the receive loop but what ends or drains the session.
 const (
 	serverHandBack = time.Millisecond
 	clientHandBack = 20 * time.Millisecond
@@ -81,10 +82,11 @@ type ctlIn struct {
 	handBackAfter time.Duration // serverHandBack or clientHandBack
 	freed         chan struct{} // cap 1: the receive loop let go at a reader's request
 	bgWake        chan struct{} // cap 1: the receive loop should take tok
-	handBack      *time.Timer   // signals bgWake handBackAfter after a pump's release
-	handArmed     atomic.Bool   // handBack runs
-	brokenAt      time.Time     // deadline set by writeFailed; guarded by kickMu
-	hasBroken     bool          // brokenAt is set; guarded by kickMu
+	// freeSince is when tok was let go (ticker.now), 0 while it is held:
+	// the session's timer signals bgWake handBackAfter later.
+	freeSince atomic.Int64
+	brokenAt  time.Time // deadline set by writeFailed; guarded by kickMu
+	hasBroken bool      // brokenAt is set; guarded by kickMu
 }
 
 func (in *ctlIn) init(s *Session) {
@@ -95,11 +97,16 @@ func (in *ctlIn) init(s *Session) {
 	}
 	in.freed = make(chan struct{}, 1)
 	in.bgWake = make(chan struct{}, 1)
-	in.handBack = time.AfterFunc(time.Hour, func() {
-		in.handArmed.Store(false)
-		signal(in.bgWake)
-	})
-	in.handBack.Stop()
+}
+
+// taken records that tok was taken; let records that it was let go, and
+// has the session's timer hand it back to the receive loop later unless
+// a reader takes it first.
+func (in *ctlIn) taken() { in.freeSince.Store(0) }
+
+func (in *ctlIn) let(s *Session) {
+	in.freeSince.Store(int64(s.tk.now()))
+	s.tk.poke(in.handBackAfter)
 }
 
 // signal makes a pending signal on c, a channel of capacity 1.
@@ -212,6 +219,7 @@ func (s *Session) recvLoop() {
 	}()
 	in.tok.Lock()
 	for {
+		in.taken()
 		in.kickMu.Lock()
 		in.loopHas = true
 		in.setDeadlineLocked(s, time.Time{})
@@ -224,7 +232,7 @@ func (s *Session) recvLoop() {
 		// the connection back, or leaves it free for a while.
 		in.tok.Unlock()
 		signal(in.freed)
-		in.armHandBack()
+		in.let(s)
 		for taken := false; !taken; {
 			select {
 			case <-in.bgWake:
@@ -234,14 +242,6 @@ func (s *Session) recvLoop() {
 				taken = true
 			}
 		}
-	}
-}
-
-// armHandBack makes the receive loop take the connection back after
-// handBackAfter unless a reader holds it then.
-func (in *ctlIn) armHandBack() {
-	if !in.handArmed.Swap(true) {
-		in.handBack.Reset(in.handBackAfter)
 	}
 }
 
@@ -424,6 +424,7 @@ func (st *Stream) pump(want int) (ok, asked bool) {
 		in.kickMu.Unlock()
 		return false, asked
 	}
+	in.taken()
 	rdl, _ := st.rdl.when()
 	in.kickMu.Lock()
 	in.setDeadlineLocked(s, rdl)
@@ -435,9 +436,10 @@ func (st *Stream) pump(want int) (ok, asked bool) {
 	// receive loop's: it takes the connection now. Else the connection
 	// stays free for this reader's next wait.
 	if res != ctlReady || s.rx.waiters.Load() > 1 {
+		in.freeSince.Store(int64(s.tk.now()))
 		signal(in.bgWake)
 	} else {
-		in.armHandBack()
+		in.let(s)
 	}
 	return res != ctlHandOff, false
 }

@@ -185,8 +185,24 @@ func TestHandBack(t *testing.T) {
 
 	announceRaw(t, mem, 4, write) // nobody reads the connection now
 	require.EqualValues(t, 4, accept(t, server).ID())
-	in := &server.rx.in
-	in.kickMu.Lock()
-	defer in.kickMu.Unlock()
-	require.True(t, in.loopHas, "the receive loop reads the connection again")
+	loopReads := func() bool {
+		in := &server.rx.in
+		in.kickMu.Lock()
+		defer in.kickMu.Unlock()
+		return in.loopHas
+	}
+	require.True(t, loopReads(), "the receive loop reads the connection again")
+
+	// Again while the session's timer runs on its standby period (it
+	// stops only after a period without work): the reader's release does
+	// not arm it, and the next tick hands the connection back.
+	done = readAsync(st, got)
+	waitPumping(t, st)
+	putRaw(t, mem, 2, "ho")
+	require.NoError(t, write(wire.AppendSimple(nil, 3, wire.TypePolling)))
+	require.NoError(t, result(t, done))
+	require.Equal(t, "ho", string(got))
+	announceRaw(t, mem, 6, write)
+	require.EqualValues(t, 6, accept(t, server).ID())
+	require.True(t, loopReads(), "the receive loop reads the connection again")
 }

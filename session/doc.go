@@ -33,10 +33,10 @@
 //     may spin and harvest in place of the receive loop (Stream.spin), and
 //     a reader whose waits run long reads the control connection in its
 //     place while it sleeps (ctlIn, docs/protocol.md section 12.1).
-//   - Timers: the lease timer (leaseTick settles the working flag), the
-//     hand-back timer (the receive loop takes the connection back from a
-//     reader that left it), the idle timer (idleExpired) and deadline
-//     timers (they only close channels).
+//   - Timers: the session's timer (tick.go: leaseTick settles the working
+//     flag, handBackTick has the receive loop take the connection back
+//     from a reader that left it), the idle timer (idleExpired) and
+//     deadline timers (they only close channels).
 //
 // Session.Close waits for the receive loop; timers are stopped by the
 // session's end.

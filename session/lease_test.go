@@ -100,8 +100,8 @@ func TestLeaseYieldsToBlockedReader(t *testing.T) {
 }
 
 // A lease that no poll renews ends by itself: the flag goes back to 0, the
-// events that came meanwhile are delivered without a reader, and the lease
-// timer stops.
+// events that came meanwhile are delivered without a reader, and the
+// session's timer stops.
 func TestLeaseExpires(t *testing.T) {
 	cfg := &Config{PollTime: 10 * time.Millisecond}
 	client, server := pair(t, cfg)
@@ -115,9 +115,10 @@ func TestLeaseExpires(t *testing.T) {
 	_, err := c.Write([]byte("late"))
 	require.NoError(t, err)
 	waitFor(t, "the flag is settled", func() bool {
-		return !server.shm.mem.recv.Working() && !server.rx.leaseArmed.Load()
+		return !server.shm.mem.recv.Working() && !server.rx.leased.Load()
 	})
 	waitFor(t, "the late bytes are delivered", func() bool { return s.Buffered() == 4 })
+	waitFor(t, "the timer stops", func() bool { return !server.tk.armed.Load() })
 	buf := make([]byte, 4)
 	_, err = io.ReadFull(s, buf)
 	require.NoError(t, err)

@@ -34,22 +34,20 @@ type receiver struct {
 	spinning atomic.Bool
 	// The working-flag lease: waiters counts the goroutines blocked for
 	// the session's events; leaseSeq counts the spins that ended with a
-	// lease, tickSeq is its value at the last leaseTick, and leaseArmed is
-	// set while leaseTimer runs.
-	waiters    atomic.Int32
-	leaseSeq   atomic.Uint64
-	tickSeq    atomic.Uint64
-	leaseArmed atomic.Bool
-	leaseTimer *time.Timer
-	done       chan struct{} // closed when recvLoop has returned
-	in         ctlIn         // the control connection's read side
+	// lease, tickSeq is its value at the last leaseTick, and leased is set
+	// from such a spin until leaseTick ends the lease.
+	waiters  atomic.Int32
+	leaseSeq atomic.Uint64
+	tickSeq  atomic.Uint64
+	leased   atomic.Bool
+	done     chan struct{} // closed when recvLoop has returned
+	in       ctlIn         // the control connection's read side
 }
 
 func (rx *receiver) init(s *Session) {
 	rx.done = make(chan struct{})
-	rx.leaseTimer = time.AfterFunc(time.Hour, s.leaseTick)
-	rx.leaseTimer.Stop()
 	rx.in.init(s)
+	s.tk.init(s, rx.in.handBackAfter)
 }
 
 // Stream states carried in the low byte of an event's or a FallbackData's
@@ -1222,15 +1220,15 @@ func (st *Stream) readyFor(want int) bool {
 //   - a goroutine is about to block for the session's events (a reader in
 //     waitForData): it settles before it sleeps, and a spinner that stops
 //     while one is blocked settles instead of leasing;
-//   - no spin has run for one to two Config.PollTime periods (leaseTick;
-//     Go's timers round a sleeping process's wait up to about 1 ms).
+//   - no spin has run for one to two ticks of the session's timer, and
+//     for at least Config.PollTime (leaseTick; tick.go).
 // A new stream's announcement wakes the peer whatever the flag says (see
 // announce), so a lease never delays AcceptStream.
 
 // endSpin ends the spin of the reader holding rx.spinning. With lease set
 // (the reader got what it waited for) and no goroutine blocked for the
-// session's events, the working flag stays at 1 and the lease timer is
-// armed; otherwise the flag is settled now.
+// session's events, the working flag stays at 1 and the session's timer
+// ends the lease later; otherwise the flag is settled now.
 func (s *Session) endSpin(lease bool) {
 	s.rx.spinning.Store(false)
 	if lease {
@@ -1239,9 +1237,10 @@ func (s *Session) endSpin(lease bool) {
 		// itself (waitForData): the atomics order its count before its
 		// settle, and our store of spinning before this load.
 		if s.rx.waiters.Load() == 0 {
-			if !s.rx.leaseArmed.Swap(true) {
-				s.rx.leaseTimer.Reset(s.cfg.PollTime)
+			if !s.rx.leased.Load() {
+				s.rx.leased.Store(true)
 			}
+			s.tk.poke(s.tk.standby)
 			return
 		}
 	}
@@ -1255,22 +1254,6 @@ func (s *Session) settle() {
 	if err := s.harvest(); err != nil && !errors.Is(err, ErrSessionClosed) {
 		s.failOp("read", err)
 	}
-}
-
-// leaseTick runs on the lease timer: while spins keep ending with a lease
-// (leaseSeq moved since the last tick) or one is running, it waits another
-// PollTime; otherwise the lease has expired and the flag is settled.
-func (s *Session) leaseTick() {
-	if isClosedChan(s.dead) {
-		return
-	}
-	seq := s.rx.leaseSeq.Load()
-	if s.rx.tickSeq.Swap(seq) != seq || s.rx.spinning.Load() {
-		s.rx.leaseTimer.Reset(s.cfg.PollTime)
-		return
-	}
-	s.rx.leaseArmed.Store(false)
-	s.settle()
 }
 
 // ---- copying stalled readers' data out of shared memory ----

@@ -26,6 +26,7 @@ type Session struct {
 
 	shm   sharedMem  // the mapping, and what unread data may hold of it
 	rx    receiver   // who harvests the receive queue; spinning; the lease
+	tk    ticker     // the housekeeping timer: ends leases, hands the connection back
 	ctl   *ctlWriter // writes on the control connection
 	putMu sync.Mutex // serializes puts on the send queue: it has one producer
 	ctr   counters
@@ -438,7 +439,7 @@ func (s *Session) fail(err error) {
 			s.idle.timer.Stop()
 		}
 		s.mu.Unlock()
-		s.rx.leaseTimer.Stop()
+		s.tk.stop()
 		s.stopKeepAlive()
 		switch {
 		case errors.Is(err, ErrProtocol) || errors.Is(err, buffer.ErrCorrupt) || errors.Is(err, queue.ErrCorrupt):
