@@ -38,6 +38,8 @@ type ctlWriter struct {
 	// (writeFailed); the session ends once the receive loop has read what
 	// the peer sent before.
 	broken atomic.Pointer[SessionError]
+	// wokeAt is when the last Polling went out (ticker.now).
+	wokeAt atomic.Int64
 
 	// The state of writeNow's raw write, made once so that a write
 	// allocates nothing; owned by sem's holder.
@@ -102,6 +104,7 @@ func (s *Session) flushPoll() bool {
 		return true
 	}
 	s.ctr.wakeupsSent.Add(1)
+	s.ctl.wokeAt.Store(int64(s.tk.now()))
 	return s.writeNow(s.ctl.pollMsg)
 }
 

@@ -69,6 +69,52 @@ func TestLeaseSkipsWakeups(t *testing.T) {
 	}
 }
 
+// A write that wakes the peer leases our own working flag first, so that
+// the answer comes without a wakeup; not while a reader of ours sleeps,
+// since that reader counts on one.
+func TestExpectReply(t *testing.T) {
+	cfg := &Config{PollTime: endlessPolls(t)}
+	client, server := pair(t, cfg)
+	c, s := streamPair(t, client, server)
+	buf := make([]byte, 1)
+
+	// Nobody waits on either side: the client's write wakes the server and
+	// leases the client's flag; the server's answer wakes nobody.
+	client.settle()
+	server.settle()
+	before := client.Stats().WakeupsSent
+	_, err := c.Write([]byte{'q'})
+	require.NoError(t, err)
+	require.Equal(t, before+1, client.Stats().WakeupsSent, "the write woke the server")
+	require.True(t, client.shm.mem.recv.Working(), "the client's flag is leased")
+	require.True(t, client.rx.leased.Load())
+	_, err = io.ReadFull(s, buf)
+	require.NoError(t, err)
+	serverWakes := server.Stats().WakeupsSent
+	_, err = s.Write([]byte{'a'})
+	require.NoError(t, err)
+	require.Equal(t, serverWakes, server.Stats().WakeupsSent, "the answer woke the client")
+	_, err = io.ReadFull(c, buf)
+	require.NoError(t, err)
+	require.Equal(t, byte('a'), buf[0])
+
+	// A goroutine of the client's waits for the session's events (as a
+	// sleeping reader counts itself): no lease, since it counts on the
+	// server's wakeup.
+	client.settle()
+	client.rx.waiters.Add(1)
+	server.settle()
+	seq := client.rx.leaseSeq.Load()
+	_, err = c.Write([]byte{'r'})
+	client.rx.waiters.Add(-1)
+	require.NoError(t, err)
+	require.Equal(t, seq, client.rx.leaseSeq.Load(), "leased while a goroutine waited")
+	require.False(t, client.shm.mem.recv.Working())
+	_, err = io.ReadFull(s, buf)
+	require.NoError(t, err)
+	require.Equal(t, byte('r'), buf[0])
+}
+
 // A poll that ends while another reader sleeps waiting for the session's
 // events settles the flag instead of leasing it, so that the peer's next
 // event wakes the sleeper.

@@ -13,6 +13,7 @@ import (
 	"github.com/shmlink/shmlink/buffer"
 	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/shmlink/shmlink/queue"
+	"golang.org/x/sys/unix"
 )
 
 // The receive direction, top to bottom: the receive loop reads control
@@ -1129,6 +1130,7 @@ func (st *Stream) spin(want int, budget time.Duration, start time.Time) bool {
 	ready := false
 	defer func() { s.endSpin(ready) }()
 	idleSince := start
+	yielded := false
 	for {
 		harvested, err := st.spinBatch(want)
 		if err != nil {
@@ -1154,9 +1156,34 @@ func (st *Stream) spin(want int, budget time.Duration, start time.Time) bool {
 			s.ctr.spinMisses.Add(1)
 			return false
 		}
-		// Let the process's other goroutines run; the peer runs on its own.
-		runtime.Gosched()
+		if !yielded && s.peerWaking() {
+			// The peer we just woke may be waiting for this CPU: the
+			// kernel tends to wake a socket's reader on the writer's CPU.
+			// Once: it then runs until it sleeps again.
+			yielded = true
+			yieldCPU()
+		} else {
+			// Let the process's other goroutines run; the peer runs on its own.
+			runtime.Gosched()
+		}
 	}
+}
+
+// peerWaking reports whether a spinning reader gives its CPU up to the
+// peer, once per spin, rather than to the process's other goroutines
+// (docs/protocol.md section 12.3): a Polling went out less than PollTime ago, so the peer is
+// waking, and the host has an idle CPU, so the CPU goes to the peer and
+// not to another busy process.
+func (s *Session) peerWaking() bool {
+	return s.tk.now()-time.Duration(s.ctl.wokeAt.Load()) < s.cfg.PollTime && hostHasIdleCPU()
+}
+
+// yieldCPU gives the thread's CPU to another runnable thread, if any, and
+// returns when the scheduler runs this one again; at once if there is
+// none. A raw system call: it does not hand the goroutine's P over, and
+// the wait is one scheduler turn.
+func yieldCPU() {
+	unix.RawSyscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
 }
 
 // spinBatch checks the receive queue spinBatch times, harvesting what

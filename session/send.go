@@ -376,9 +376,36 @@ func (s *Session) putEvent(m *memory, ev queue.Event, closed, cancel <-chan stru
 		}
 	}
 	if m.send.MarkWorking() || wake {
+		s.expectReply(m)
 		s.wake()
 	}
 	return nil
+}
+
+// expectReply leases the receive queue's working flag (docs/protocol.md
+// section 12) before a Polling wakes the peer, unless a goroutine of ours
+// waits for the session's events: the peer's answer then comes without a
+// Polling of its own. On a host whose idle CPUs halt, the peer that our
+// Polling wakes often runs on our CPU at once, before our reader polls;
+// without the lease it would answer with a Polling, which costs it a
+// system call and wakes our receive loop for nothing. A writer that does
+// not read afterwards costs its peer nothing more than a lease does.
+func (s *Session) expectReply(m *memory) {
+	if s.cfg.PollTime <= 0 || s.rx.waiters.Load() != 0 || m.recv.Working() {
+		return
+	}
+	m.recv.SetWorking()
+	// A goroutine that starts to wait after this load settles by itself
+	// (waitForData); one that started before it is settled for here.
+	if s.rx.waiters.Load() != 0 {
+		s.settle()
+		return
+	}
+	s.rx.leaseSeq.Add(1)
+	if !s.rx.leased.Load() {
+		s.rx.leased.Store(true)
+	}
+	s.tk.poke(s.tk.standby)
 }
 
 // put puts ev on the send queue once and reports whether the queue was

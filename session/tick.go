@@ -93,6 +93,7 @@ func (s *Session) tick() {
 		tk.armed.Store(false)
 		return
 	}
+	sampleHostIdle(time.Now())
 	now := tk.now()
 	next := time.Duration(0)
 	if tk.busy.Swap(false) || s.leaseTick(now) {

@@ -1,0 +1,137 @@
+package session
+
+import (
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Whether the host has an idle CPU (docs/protocol.md section 12.3): a
+// reader that polls gives its CPU up to the peer its session just woke
+// only then (Stream.spin, Session.peerWaking). With every CPU busy, giving the CPU up hands it
+// to whichever process is runnable, for up to a scheduler slice
+// (milliseconds), not to the peer.
+//
+// The answer comes from /proc/stat's aggregate idle and iowait time,
+// sampled at most once per idleSampleEvery by whichever session's timer
+// runs (tick), and shared by the process's sessions. It holds for
+// idleValidFor after a sample; without a fresh sample, or where /proc/stat
+// cannot be read, the answer is no.
+const (
+	idleSampleEvery = 16 * time.Millisecond
+	idleValidFor    = 100 * time.Millisecond
+	// idleEnoughPercent is the share of the CPUs' time that must have been
+	// idle since the last sample: half a CPU's worth on 2 CPUs (a reader
+	// polling in one process keeps one CPU busy by itself).
+	idleEnoughPercent = 25
+)
+
+// hostIdle is the process's view of the host's idle CPU time.
+var hostIdle hostIdleState
+
+type hostIdleState struct {
+	mu          sync.Mutex // held by sample
+	at          time.Time  // when the last sample was taken
+	idle, total uint64     // /proc/stat counters at that sample, in ticks
+	buf         [512]byte
+
+	until atomic.Int64 // Unix ns until which the host counts as having an idle CPU
+}
+
+// hostHasIdleCPU reports whether, as of a recent sample, the host's CPUs
+// were idle enough that giving a CPU up reaches the peer.
+func hostHasIdleCPU() bool {
+	return hostIdle.hasIdle(time.Now())
+}
+
+// hasIdle reports whether the host counts as having an idle CPU at now.
+func (h *hostIdleState) hasIdle(now time.Time) bool {
+	return now.UnixNano() < h.until.Load()
+}
+
+// sampleHostIdle reads /proc/stat if the last sample is older than
+// idleSampleEvery and updates hostHasIdleCPU's answer. Called from session
+// timers: never on the path of a message.
+func sampleHostIdle(now time.Time) {
+	h := &hostIdle
+	if !h.mu.TryLock() {
+		return
+	}
+	defer h.mu.Unlock()
+	if now.Sub(h.at) < idleSampleEvery {
+		return
+	}
+	idle, total, ok := readProcStat(&h.buf)
+	if !ok {
+		h.until.Store(0)
+		return
+	}
+	h.record(now, idle, total)
+}
+
+// record takes a sample of the CPUs' idle and total time (ticks) at now:
+// the host counts as having an idle CPU for idleValidFor if at least
+// idleEnoughPercent of the time since the last sample was idle. The
+// caller holds mu.
+func (h *hostIdleState) record(now time.Time, idle, total uint64) {
+	if !h.at.IsZero() && total > h.total && idle >= h.idle {
+		if (idle-h.idle)*100 >= (total-h.total)*idleEnoughPercent {
+			h.until.Store(now.Add(idleValidFor).UnixNano())
+		} else {
+			h.until.Store(0)
+		}
+	}
+	h.at, h.idle, h.total = now, idle, total
+}
+
+// readProcStat returns the idle (idle + iowait) and total time of all
+// CPUs from the first line of /proc/stat, in clock ticks. It allocates
+// nothing: a session's timer calls it while benchmarks count allocations.
+func readProcStat(buf *[512]byte) (idle, total uint64, ok bool) {
+	fd, err := unix.Open("/proc/stat", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return 0, 0, false
+	}
+	defer unix.Close(fd)
+	n, err := unix.Read(fd, buf[:])
+	if err != nil || n <= 0 {
+		return 0, 0, false
+	}
+	return parseCPULine(buf[:n])
+}
+
+// parseCPULine parses the aggregate "cpu" line at the start of b: user,
+// nice, system, idle, iowait, irq, softirq, steal (guest time is counted
+// in user already).
+func parseCPULine(b []byte) (idle, total uint64, ok bool) {
+	const prefix = "cpu "
+	if len(b) < len(prefix) || string(b[:len(prefix)]) != prefix {
+		return 0, 0, false
+	}
+	b = b[len(prefix):]
+	field := 0
+	for field < 8 {
+		for len(b) > 0 && b[0] == ' ' {
+			b = b[1:]
+		}
+		if len(b) == 0 || b[0] < '0' || b[0] > '9' {
+			break // the line ended: older kernels have fewer fields
+		}
+		var v uint64
+		for len(b) > 0 && b[0] >= '0' && b[0] <= '9' {
+			if v > (1<<64-1)/10-1 {
+				return 0, 0, false
+			}
+			v = v*10 + uint64(b[0]-'0')
+			b = b[1:]
+		}
+		total += v
+		if field == 3 || field == 4 {
+			idle += v
+		}
+		field++
+	}
+	return idle, total, field >= 4
+}

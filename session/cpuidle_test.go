@@ -1,0 +1,85 @@
+package session
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestParseCPULine(t *testing.T) {
+	for _, tc := range []struct {
+		in          string
+		idle, total uint64
+		ok          bool
+	}{
+		// user nice system idle iowait irq softirq steal guest guest_nice
+		{"cpu  100 2 30 400 5 0 7 8 9 10\ncpu0 1 2 3 4\n", 405, 552, true},
+		{"cpu  100 2 30 400\n", 400, 532, true}, // an old kernel: 4 fields
+		{"cpu 1 2 3", 0, 0, false},              // too few fields
+		{"cpu0 1 2 3 4 5 6 7 8\n", 0, 0, false}, // not the aggregate line
+		{"intr 1 2 3 4 5\n", 0, 0, false},
+		{"cpu  1 x 3 4 5\n", 0, 0, false},
+		{"cpu  99999999999999999999999 1 1 1\n", 0, 0, false}, // overflows
+		{"", 0, 0, false},
+	} {
+		idle, total, ok := parseCPULine([]byte(tc.in))
+		require.Equal(t, tc.ok, ok, "%q", tc.in)
+		if ok {
+			require.Equal(t, tc.idle, idle, "%q", tc.in)
+			require.Equal(t, tc.total, total, "%q", tc.in)
+		}
+	}
+}
+
+// The host counts as having an idle CPU for idleValidFor after a sample
+// whose idle share reached idleEnoughPercent, and not after one below it.
+func TestHostIdleRecord(t *testing.T) {
+	var h hostIdleState
+	t0 := time.Now()
+	h.record(t0, 1000, 4000)
+	require.False(t, h.hasIdle(t0), "one sample says nothing")
+
+	h.record(t0.Add(20*time.Millisecond), 1000+50, 4000+100) // 50% idle
+	require.True(t, h.hasIdle(t0.Add(20*time.Millisecond)))
+	require.False(t, h.hasIdle(t0.Add(20*time.Millisecond+idleValidFor)), "a sample goes stale")
+
+	h.record(t0.Add(40*time.Millisecond), 1050+10, 4100+100) // 10% idle: every CPU busy
+	require.False(t, h.hasIdle(t0.Add(40*time.Millisecond)))
+
+	h.record(t0.Add(60*time.Millisecond), 1060, 4200) // no idle time at all
+	require.False(t, h.hasIdle(t0.Add(60*time.Millisecond)))
+}
+
+// This host's /proc/stat parses, and a sample is taken at most once per
+// idleSampleEvery.
+func TestSampleHostIdle(t *testing.T) {
+	var buf [512]byte
+	idle, total, ok := readProcStat(&buf)
+	require.True(t, ok)
+	require.Greater(t, total, idle)
+
+	hostIdle.mu.Lock()
+	saved := struct {
+		at          time.Time
+		idle, total uint64
+	}{hostIdle.at, hostIdle.idle, hostIdle.total}
+	hostIdle.mu.Unlock()
+	t.Cleanup(func() {
+		hostIdle.mu.Lock()
+		hostIdle.at, hostIdle.idle, hostIdle.total = saved.at, saved.idle, saved.total
+		hostIdle.mu.Unlock()
+	})
+
+	now := time.Now().Add(time.Hour) // later than any sample of the process's timers
+	sampleHostIdle(now)
+	hostIdle.mu.Lock()
+	at := hostIdle.at
+	hostIdle.mu.Unlock()
+	require.Equal(t, now, at)
+	sampleHostIdle(now.Add(idleSampleEvery / 2))
+	hostIdle.mu.Lock()
+	at = hostIdle.at
+	hostIdle.mu.Unlock()
+	require.Equal(t, now, at, "sampled again within idleSampleEvery")
+}
