@@ -1130,7 +1130,7 @@ func (st *Stream) spin(want int, budget time.Duration, start time.Time) bool {
 	ready := false
 	defer func() { s.endSpin(ready) }()
 	idleSince := start
-	yielded := false
+	asked := false // whether to give the CPU up to the peer (peerWaking)
 	for {
 		harvested, err := st.spinBatch(want)
 		if err != nil {
@@ -1156,16 +1156,18 @@ func (st *Stream) spin(want int, budget time.Duration, start time.Time) bool {
 			s.ctr.spinMisses.Add(1)
 			return false
 		}
-		if !yielded && s.peerWaking() {
-			// The peer we just woke may be waiting for this CPU: the
-			// kernel tends to wake a socket's reader on the writer's CPU.
-			// Once: it then runs until it sleeps again.
-			yielded = true
-			yieldCPU()
-		} else {
-			// Let the process's other goroutines run; the peer runs on its own.
-			runtime.Gosched()
+		// The peer we just woke may be waiting for this CPU: the kernel
+		// tends to wake a socket's reader on the writer's CPU. Asked once
+		// per spin: the peer then runs until it sleeps again.
+		if !asked {
+			asked = true
+			if s.peerWaking() {
+				yieldCPU()
+				continue
+			}
 		}
+		// Let the process's other goroutines run; the peer runs on its own.
+		runtime.Gosched()
 	}
 }
 
