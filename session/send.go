@@ -390,15 +390,21 @@ func (s *Session) putEvent(m *memory, ev queue.Event, closed, cancel <-chan stru
 // without the lease it would answer with a Polling, which costs it a
 // system call and wakes our receive loop for nothing. A writer that does
 // not read afterwards costs its peer nothing more than a lease does.
+//
+// rx.mu orders this against a goroutine that starts to wait: it counts
+// itself in rx.waiters, then settles the flag under rx.mu. Only tried,
+// since the caller holds shm.mu's read lock, which rx.mu's holders take
+// after it; a harvest in progress skips the lease.
 func (s *Session) expectReply(m *memory) {
-	if s.cfg.PollTime <= 0 || s.rx.waiters.Load() != 0 || m.recv.Working() {
+	if s.cfg.PollTime <= 0 || s.rx.waiters.Load() != 0 || m.recv.Working() || !s.rx.mu.TryLock() {
 		return
 	}
-	m.recv.SetWorking()
-	// A goroutine that starts to wait after this load settles by itself
-	// (waitForData); one that started before it is settled for here.
-	if s.rx.waiters.Load() != 0 {
-		s.settle()
+	leased := s.rx.waiters.Load() == 0
+	if leased {
+		m.recv.SetWorking()
+	}
+	s.rx.mu.Unlock()
+	if !leased {
 		return
 	}
 	s.rx.leaseSeq.Add(1)
