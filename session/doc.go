@@ -53,7 +53,8 @@
 //     harvesting and dispatching.
 //  3. sharedMem.mu (read): held by whoever touches the shared memory;
 //     write-held only to unmap it. A spinning reader holds it and only
-//     tries receiver.mu (TryLock), which cannot deadlock.
+//     tries receiver.mu (TryLock), which cannot deadlock; so does a writer
+//     that leases the flag before waking the peer (expectReply).
 //  4. Session.putMu: the send queue's single producer; and
 //     ctlWriter.sem, a channel so that writers wait for it within their
 //     deadlines: held while writing on the control connection (ctl.go).
