@@ -10,9 +10,9 @@ import (
 
 // Whether the host has an idle CPU (docs/protocol.md section 12.3): a
 // reader that polls gives its CPU up to the peer its session just woke
-// only then (Stream.spin, Session.peerWaking). With every CPU busy, giving the CPU up hands it
-// to whichever process is runnable, for up to a scheduler slice
-// (milliseconds), not to the peer.
+// only then (Stream.spin, Session.peerWaking). With every CPU busy, giving
+// the CPU up hands it to whichever process is runnable, for up to a
+// scheduler slice (milliseconds), not to the peer.
 //
 // The answer comes from /proc/stat's aggregate idle and iowait time,
 // sampled at most once per idleSampleEvery by whichever session's timer

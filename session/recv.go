@@ -1261,19 +1261,25 @@ func (st *Stream) readyFor(want int) bool {
 func (s *Session) endSpin(lease bool) {
 	s.rx.spinning.Store(false)
 	if lease {
-		s.rx.leaseSeq.Add(1)
 		// A goroutine that starts to wait after this load settles by
 		// itself (waitForData): the atomics order its count before its
 		// settle, and our store of spinning before this load.
 		if s.rx.waiters.Load() == 0 {
-			if !s.rx.leased.Load() {
-				s.rx.leased.Store(true)
-			}
-			s.tk.poke(s.tk.standby)
+			s.lease()
 			return
 		}
 	}
 	s.settle()
+}
+
+// lease records a lease of the working flag, which the caller holds at 1:
+// the session's timer ends it once no spin renews it (leaseTick).
+func (s *Session) lease() {
+	s.rx.leaseSeq.Add(1)
+	if !s.rx.leased.Load() {
+		s.rx.leased.Store(true)
+	}
+	s.tk.poke(s.tk.standby)
 }
 
 // settle clears the receive queue's working flag, unless a reader is

@@ -404,14 +404,9 @@ func (s *Session) expectReply(m *memory) {
 		m.recv.SetWorking()
 	}
 	s.rx.mu.Unlock()
-	if !leased {
-		return
+	if leased {
+		s.lease()
 	}
-	s.rx.leaseSeq.Add(1)
-	if !s.rx.leased.Load() {
-		s.rx.leased.Store(true)
-	}
-	s.tk.poke(s.tk.standby)
 }
 
 // put puts ev on the send queue once and reports whether the queue was

@@ -33,12 +33,11 @@ import (
 // connection let go waits up to a standbyTick before the receive loop
 // takes it back (section 12.1), and a lease lasts up to two of them.
 type ticker struct {
-	handBack time.Duration // ctlIn.handBackAfter: the first tick after a let-go
-	standby  time.Duration // the longest period
-	epoch    time.Time     // origin of now
-	timer    *time.Timer
-	armed    atomic.Bool // timer runs
-	busy     atomic.Bool // something to look after happened since the last tick
+	standby time.Duration // the longest period
+	epoch   time.Time     // origin of now
+	timer   *time.Timer
+	armed   atomic.Bool // timer runs
+	busy    atomic.Bool // something to look after happened since the last tick
 
 	mu         sync.Mutex    // held by tick
 	leaseCheck time.Duration // when tick last checked the lease (now)
@@ -50,8 +49,9 @@ type ticker struct {
 // wakeup in standbyTick, against one per request.
 const standbyTick = 16 * time.Millisecond
 
+// init makes the timer of s; handBack is ctlIn.handBackAfter, the
+// standby period if it is longer than standbyTick.
 func (tk *ticker) init(s *Session, handBack time.Duration) {
-	tk.handBack = handBack
 	tk.standby = max(standbyTick, handBack)
 	tk.epoch = time.Now()
 	tk.timer = time.AfterFunc(time.Hour, s.tick)
