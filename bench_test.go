@@ -506,8 +506,10 @@ func BenchmarkPingPong(b *testing.B) {
 }
 
 // waitStats reports, for a shmlink client, how its reader's waits ended
-// per op since stats0: "hits/op" (a spin got the data), "parks/op" (it
-// slept until a wakeup came); stats returns the session's counters now.
+// per op since stats0: "hits/op" (a spin got the data), "miss/op" (a spin
+// gave up), "parks/op" (it slept until a wakeup came), "self/op" (it read
+// the control connection itself while asleep), and the Pollings the
+// client sent ("wsent/op") and received ("wrecv/op").
 type waitStats struct {
 	sess   *session.Session
 	stats0 session.Stats
@@ -532,6 +534,9 @@ func (w *waitStats) report(b *testing.B, ops int) {
 	b.ReportMetric(float64(st.SpinHits-w.stats0.SpinHits)/float64(ops), "hits/op")
 	b.ReportMetric(float64(st.Parks-w.stats0.Parks)/float64(ops), "parks/op")
 	b.ReportMetric(float64(st.SelfWakes-w.stats0.SelfWakes)/float64(ops), "self/op")
+	b.ReportMetric(float64(st.SpinMisses-w.stats0.SpinMisses)/float64(ops), "miss/op")
+	b.ReportMetric(float64(st.WakeupsSent-w.stats0.WakeupsSent)/float64(ops), "wsent/op")
+	b.ReportMetric(float64(st.WakeupsReceived-w.stats0.WakeupsReceived)/float64(ops), "wrecv/op")
 }
 
 // pingPong is one case of BenchmarkPingPong.

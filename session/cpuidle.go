@@ -8,17 +8,20 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Whether the host has an idle CPU (docs/protocol.md section 12.3): a
-// reader that polls gives its CPU up to the peer its session just woke
-// only then (Stream.spin, Session.peerWaking). With every CPU busy, giving
-// the CPU up hands it to whichever process is runnable, for up to a
-// scheduler slice (milliseconds), not to the peer.
+// Whether the host has an idle CPU, or none (docs/protocol.md section
+// 12.3). A reader that polls gives its CPU up to the peer its session just
+// woke only while the host has an idle CPU (Stream.spin,
+// Session.peerWaking): with every CPU busy, giving the CPU up hands it to
+// whichever process is runnable, for up to a scheduler slice
+// (milliseconds), not to the peer. And while the host has none, a reader
+// that just woke its peer from a sleep does not poll at all
+// (Stream.spinBudget): the peer needs a CPU to answer.
 //
 // The answer comes from /proc/stat's aggregate idle and iowait time,
 // sampled at most once per idleSampleEvery by whichever session's timer
 // runs (tick), and shared by the process's sessions. It holds for
 // idleValidFor after a sample; without a fresh sample, or where /proc/stat
-// cannot be read, the answer is no.
+// cannot be read, the host counts as neither.
 const (
 	idleSampleEvery = 16 * time.Millisecond
 	idleValidFor    = 100 * time.Millisecond
@@ -26,6 +29,10 @@ const (
 	// idle since the last sample: half a CPU's worth on 2 CPUs (a reader
 	// polling in one process keeps one CPU busy by itself).
 	idleEnoughPercent = 25
+	// idleNonePercent is the share of the CPUs' time below which the host
+	// counts as busy (hostBusy): other processes take every CPU that one
+	// of ours gives up, or holds by polling.
+	idleNonePercent = 5
 )
 
 // hostIdle is the process's view of the host's idle CPU time.
@@ -37,13 +44,27 @@ type hostIdleState struct {
 	idle, total uint64     // /proc/stat counters at that sample, in ticks
 	buf         [512]byte
 
-	until atomic.Int64 // Unix ns until which the host counts as having an idle CPU
+	until     atomic.Int64 // Unix ns until which the host counts as having an idle CPU
+	busyUntil atomic.Int64 // Unix ns until which the host counts as busy
 }
 
 // hostHasIdleCPU reports whether, as of a recent sample, the host's CPUs
 // were idle enough that giving a CPU up reaches the peer.
 func hostHasIdleCPU() bool {
 	return hostIdle.hasIdle(time.Now())
+}
+
+// hostBusy reports whether, as of a recent sample, the host's CPUs were
+// all busy: a reader that polls for the answer of a peer it just woke from
+// a sleep holds a CPU that the peer needs (Stream.spinBudget). Without a
+// fresh sample, or where /proc/stat cannot be read, the answer is no.
+func hostBusy() bool {
+	return hostIdle.busy(time.Now())
+}
+
+// busy reports whether the host counts as busy at now.
+func (h *hostIdleState) busy(now time.Time) bool {
+	return now.UnixNano() < h.busyUntil.Load()
 }
 
 // hasIdle reports whether the host counts as having an idle CPU at now.
@@ -66,21 +87,29 @@ func sampleHostIdle(now time.Time) {
 	idle, total, ok := readProcStat(&h.buf)
 	if !ok {
 		h.until.Store(0)
+		h.busyUntil.Store(0)
 		return
 	}
 	h.record(now, idle, total)
 }
 
 // record takes a sample of the CPUs' idle and total time (ticks) at now:
-// the host counts as having an idle CPU for idleValidFor if at least
-// idleEnoughPercent of the time since the last sample was idle. The
-// caller holds mu.
+// for idleValidFor, the host counts as having an idle CPU if at least
+// idleEnoughPercent of the time since the last sample was idle, and as
+// busy if less than idleNonePercent was. The caller holds mu.
 func (h *hostIdleState) record(now time.Time, idle, total uint64) {
 	if !h.at.IsZero() && total > h.total && idle >= h.idle {
-		if (idle-h.idle)*100 >= (total-h.total)*idleEnoughPercent {
-			h.until.Store(now.Add(idleValidFor).UnixNano())
+		idleShare, span := (idle-h.idle)*100, total-h.total
+		valid := now.Add(idleValidFor).UnixNano()
+		if idleShare >= span*idleEnoughPercent {
+			h.until.Store(valid)
 		} else {
 			h.until.Store(0)
+		}
+		if idleShare < span*idleNonePercent {
+			h.busyUntil.Store(valid)
+		} else {
+			h.busyUntil.Store(0)
 		}
 	}
 	h.at, h.idle, h.total = now, idle, total

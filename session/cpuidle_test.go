@@ -40,15 +40,26 @@ func TestHostIdleRecord(t *testing.T) {
 	h.record(t0, 1000, 4000)
 	require.False(t, h.hasIdle(t0), "one sample says nothing")
 
+	require.False(t, h.busy(t0))
+
 	h.record(t0.Add(20*time.Millisecond), 1000+50, 4000+100) // 50% idle
 	require.True(t, h.hasIdle(t0.Add(20*time.Millisecond)))
+	require.False(t, h.busy(t0.Add(20*time.Millisecond)))
 	require.False(t, h.hasIdle(t0.Add(20*time.Millisecond+idleValidFor)), "a sample goes stale")
 
-	h.record(t0.Add(40*time.Millisecond), 1050+10, 4100+100) // 10% idle: every CPU busy
-	require.False(t, h.hasIdle(t0.Add(40*time.Millisecond)))
+	h.record(t0.Add(40*time.Millisecond), 1050+10, 4100+100) // 10% idle
+	require.False(t, h.hasIdle(t0.Add(40*time.Millisecond)), "less than idleEnoughPercent")
+	require.False(t, h.busy(t0.Add(40*time.Millisecond)), "not below idleNonePercent")
 
-	h.record(t0.Add(60*time.Millisecond), 1060, 4200) // no idle time at all
+	h.record(t0.Add(60*time.Millisecond), 1060, 4200+100) // no idle time at all
 	require.False(t, h.hasIdle(t0.Add(60*time.Millisecond)))
+	require.True(t, h.busy(t0.Add(60*time.Millisecond)), "every CPU busy")
+	require.False(t, h.busy(t0.Add(60*time.Millisecond+idleValidFor)), "a sample goes stale")
+
+	h.record(t0.Add(80*time.Millisecond), 1060+4, 4300+100) // 4% idle
+	require.True(t, h.busy(t0.Add(80*time.Millisecond)))
+	h.record(t0.Add(100*time.Millisecond), 1064+5, 4400+100) // 5% idle
+	require.False(t, h.busy(t0.Add(100*time.Millisecond)))
 }
 
 // This host's /proc/stat parses, and a sample is taken at most once per

@@ -70,13 +70,13 @@ func TestSelfWakes(t *testing.T) {
 // the receive loop; one whose waits run long reads it itself.
 func TestSelfWakeChoice(t *testing.T) {
 	st := &Stream{s: &Session{cfg: Config{PollTime: 50 * time.Microsecond}}}
-	require.False(t, st.selfWake(st.spinBudget()), "nothing learned: polls, then sleeps")
+	require.False(t, st.selfWake(st.spinBudget(false)), "nothing learned: polls, then sleeps")
 	for range 30 {
 		st.recordWait(time.Second)
 	}
-	require.True(t, st.selfWake(st.spinBudget()), "long waits: no poll, reads the connection")
+	require.True(t, st.selfWake(st.spinBudget(false)), "long waits: no poll, reads the connection")
 	off := &Stream{s: &Session{cfg: Config{PollTime: -1}}}
-	require.True(t, off.selfWake(off.spinBudget()), "polling off")
+	require.True(t, off.selfWake(off.spinBudget(false)), "polling off")
 }
 
 // A reader blocked on the connection is kicked when its data comes by

@@ -115,6 +115,78 @@ func TestExpectReply(t *testing.T) {
 	require.Equal(t, byte('r'), buf[0])
 }
 
+// forceHost makes the host count as busy (no idle CPU) or not for the rest
+// of the test, whatever /proc/stat says: the last sample is dated an hour
+// ahead, so no session's timer samples meanwhile.
+func forceHost(t *testing.T, busy bool) {
+	h := &hostIdle
+	h.mu.Lock()
+	at := h.at
+	h.at = time.Now().Add(time.Hour)
+	h.mu.Unlock()
+	until := int64(0)
+	if busy {
+		until = time.Now().Add(time.Hour).UnixNano()
+	}
+	h.busyUntil.Store(until)
+	t.Cleanup(func() {
+		h.mu.Lock()
+		h.at = at
+		h.mu.Unlock()
+		h.busyUntil.Store(0)
+	})
+}
+
+// A reader that has just woken its peer from a sleep (a request after a
+// pause) does not poll for the answer while the host has no idle CPU: it
+// sleeps at once, reading the connection itself, so that the peer can
+// have its CPU (docs/protocol.md section 12.3). It polls when the host
+// has an idle CPU, and when its last read ended a moment ago (a turn of a
+// ping-pong: polling brings both back to traffic without wakeups).
+func TestColdWakeSleeps(t *testing.T) {
+	cfg := &Config{PollTime: endlessPolls(t)}
+	client, server := pair(t, cfg)
+	c, s := streamPair(t, client, server)
+	buf := make([]byte, 1)
+
+	exchange := func(busy, warm bool) (spun, slept bool) {
+		forceHost(t, busy)
+		server.settle() // asleep: the request costs a Polling
+		last := time.Now().Add(-2 * cfg.PollTime)
+		if warm {
+			last = time.Now()
+		}
+		c.lastRead.Store(last.UnixNano())
+		before := client.Stats()
+		_, err := c.Write([]byte{'q'})
+		require.NoError(t, err)
+		require.Equal(t, before.WakeupsSent+1, client.Stats().WakeupsSent, "the request woke the server")
+		done := readAsync(c, buf)
+		waitFor(t, "the client waits", func() bool {
+			return client.rx.spinning.Load() || client.rx.waiters.Load() == 1
+		})
+		req := make([]byte, 1)
+		_, err = io.ReadFull(s, req)
+		require.NoError(t, err)
+		_, err = s.Write([]byte{'a'})
+		require.NoError(t, err)
+		require.NoError(t, result(t, done))
+		require.Equal(t, byte('a'), buf[0])
+		after := client.Stats()
+		return after.SpinHits > before.SpinHits, after.SelfWakes > before.SelfWakes
+	}
+
+	spun, slept := exchange(true, false)
+	require.False(t, spun, "polled after a cold wakeup on a busy host")
+	require.True(t, slept, "did not read the connection itself")
+	spun, slept = exchange(false, false)
+	require.True(t, spun, "an idle CPU: polls")
+	require.False(t, slept)
+	spun, slept = exchange(true, true)
+	require.True(t, spun, "a ping-pong's turn: polls")
+	require.False(t, slept)
+}
+
 // A poll that ends while another reader sleeps waiting for the session's
 // events settles the flag instead of leasing it, so that the peer's next
 // event wakes the sleeper.

@@ -716,7 +716,7 @@ func (st *Stream) waitForData(want int) error {
 	}
 	st.waited = true
 	start := time.Now()
-	budget := st.spinBudget()
+	budget := st.spinBudget(st.coldWake(start))
 	if st.spin(want, budget, start) {
 		st.recordWait(time.Since(start))
 		return nil
@@ -786,13 +786,35 @@ const (
 	probeEvery = 16
 )
 
+// coldWake reports whether a wait that begins at start follows a cold
+// wakeup of the peer: the session sent the peer a Polling less than
+// PollTime ago, and the stream's last read call ended more than PollTime
+// before start (as endRead stamps it: after a read that waited, and every
+// stampEvery reads), so the peer had been asleep a while. A request after
+// a pause does that; a turn of a ping-pong does not, even when it costs a
+// Polling. The caller holds rmu.
+func (st *Stream) coldWake(start time.Time) bool {
+	s := st.s
+	return s.cfg.PollTime > 0 && s.wokePeer() &&
+		start.UnixNano()-st.lastRead.Load() > int64(s.cfg.PollTime)
+}
+
 // spinBudget returns how long the next wait polls before it sleeps:
-// Config.PollTime, unless the stream's recent waits were long (a server
-// between requests that arrive in gaps; longWaits): then it sleeps at once
-// instead of burning the CPU for nothing, and polls once in probeEvery
-// waits. The caller holds rmu.
-func (st *Stream) spinBudget() time.Duration {
+// Config.PollTime, unless polling would not pay:
+//   - after a cold wakeup of the peer (cold: see coldWake) on a host whose
+//     CPUs are all busy (hostBusy), it sleeps at once. The peer needs a
+//     CPU to answer, and the one that the poll would hold is the one it
+//     waits for (docs/protocol.md section 12.3);
+//   - when the stream's recent waits were long (a server between requests
+//     that arrive in gaps; longWaits), it sleeps at once instead of burning
+//     the CPU for nothing, and polls once in probeEvery waits.
+//
+// The caller holds rmu.
+func (st *Stream) spinBudget(cold bool) time.Duration {
 	limit := st.s.cfg.PollTime
+	if limit > 0 && cold && hostBusy() {
+		return 0
+	}
 	if limit <= 0 || st.waitEWMA <= longWaits*limit {
 		return limit
 	}
@@ -1171,13 +1193,19 @@ func (st *Stream) spin(want int, budget time.Duration, start time.Time) bool {
 	}
 }
 
+// wokePeer reports whether this session sent the peer a Polling less than
+// PollTime ago: the peer is waking.
+func (s *Session) wokePeer() bool {
+	return s.tk.now()-time.Duration(s.ctl.wokeAt.Load()) < s.cfg.PollTime
+}
+
 // peerWaking reports whether a spinning reader gives its CPU up to the
 // peer, once per spin, rather than to the process's other goroutines
 // (docs/protocol.md section 12.3): a Polling went out less than PollTime ago, so the peer is
 // waking, and the host has an idle CPU, so the CPU goes to the peer and
 // not to another busy process.
 func (s *Session) peerWaking() bool {
-	return s.tk.now()-time.Duration(s.ctl.wokeAt.Load()) < s.cfg.PollTime && hostHasIdleCPU()
+	return s.wokePeer() && hostHasIdleCPU()
 }
 
 // yieldCPU gives the thread's CPU to another runnable thread, if any, and

@@ -57,11 +57,11 @@ func TestWaitStats(t *testing.T) {
 func TestSpinBudget(t *testing.T) {
 	const limit = 50 * time.Microsecond
 	st := &Stream{s: &Session{cfg: Config{PollTime: limit}}}
-	require.Equal(t, limit, st.spinBudget(), "nothing learned yet")
+	require.Equal(t, limit, st.spinBudget(false), "nothing learned yet")
 	for range 50 {
 		st.recordWait(150 * time.Microsecond) // both sides asleep: a wakeup each way
 	}
-	require.Equal(t, limit, st.spinBudget(), "waits of a wakeup's time keep polling")
+	require.Equal(t, limit, st.spinBudget(false), "waits of a wakeup's time keep polling")
 
 	for range 30 {
 		st.recordWait(time.Second) // requests in gaps
@@ -69,14 +69,14 @@ func TestSpinBudget(t *testing.T) {
 	require.LessOrEqual(t, st.waitEWMA, 2*longWaits*limit, "a long wait counts as 2*longWaits PollTimes at most")
 	polls := 0
 	for range 4 * probeEvery {
-		if st.spinBudget() > 0 {
+		if st.spinBudget(false) > 0 {
 			polls++
 		}
 	}
 	require.Equal(t, 4, polls, "one probe in probeEvery waits")
 
 	waits := 0
-	for st.spinBudget() == 0 || st.waitEWMA > longWaits*limit {
+	for st.spinBudget(false) == 0 || st.waitEWMA > longWaits*limit {
 		st.recordWait(3 * time.Microsecond)
 		waits++
 		require.Less(t, waits, 12, "the mean stays up after traffic sped up")
@@ -84,5 +84,5 @@ func TestSpinBudget(t *testing.T) {
 
 	off := &Stream{s: &Session{cfg: Config{PollTime: -1}}}
 	off.recordWait(time.Second)
-	require.LessOrEqual(t, off.spinBudget(), time.Duration(0), "PollTime < 0: no polling")
+	require.LessOrEqual(t, off.spinBudget(false), time.Duration(0), "PollTime < 0: no polling")
 }
