@@ -1,6 +1,7 @@
 package session
 
 import (
+	"os"
 	"testing"
 	"time"
 
@@ -70,27 +71,46 @@ func TestSampleHostIdle(t *testing.T) {
 	require.True(t, ok)
 	require.Greater(t, total, idle)
 
-	hostIdle.mu.Lock()
+	h := &hostIdle
+	h.mu.Lock()
 	saved := struct {
 		at          time.Time
 		idle, total uint64
-	}{hostIdle.at, hostIdle.idle, hostIdle.total}
-	hostIdle.mu.Unlock()
+	}{h.at, h.idle, h.total}
+	h.at = time.Time{} // no sample yet: the next one decides nothing
+	h.mu.Unlock()
+	until, busyUntil := h.until.Load(), h.busyUntil.Load()
 	t.Cleanup(func() {
-		hostIdle.mu.Lock()
-		hostIdle.at, hostIdle.idle, hostIdle.total = saved.at, saved.idle, saved.total
-		hostIdle.mu.Unlock()
+		h.mu.Lock()
+		h.at, h.idle, h.total = saved.at, saved.idle, saved.total
+		h.mu.Unlock()
+		h.until.Store(until)
+		h.busyUntil.Store(busyUntil)
 	})
 
-	now := time.Now().Add(time.Hour) // later than any sample of the process's timers
+	now := time.Now()
 	sampleHostIdle(now)
-	hostIdle.mu.Lock()
-	at := hostIdle.at
-	hostIdle.mu.Unlock()
+	h.mu.Lock()
+	at := h.at
+	h.mu.Unlock()
 	require.Equal(t, now, at)
 	sampleHostIdle(now.Add(idleSampleEvery / 2))
-	hostIdle.mu.Lock()
-	at = hostIdle.at
-	hostIdle.mu.Unlock()
+	h.mu.Lock()
+	at = h.at
+	h.mu.Unlock()
 	require.Equal(t, now, at, "sampled again within idleSampleEvery")
+}
+
+// TestMain pins the host's state for the package's tests: neither busy
+// nor with an idle CPU, and never sampled (the last sample is dated a
+// century ahead), so that how a test's readers poll does not depend on
+// what else the machine runs. Tests of the host-dependent paths force a
+// state (forceHost) or sample explicitly (TestSampleHostIdle).
+func TestMain(m *testing.M) {
+	hostIdle.mu.Lock()
+	hostIdle.at = time.Now().AddDate(100, 0, 0)
+	hostIdle.mu.Unlock()
+	hostIdle.until.Store(0)
+	hostIdle.busyUntil.Store(0)
+	os.Exit(m.Run())
 }
