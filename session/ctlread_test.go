@@ -45,7 +45,11 @@ func waitPumping(t *testing.T, st *Stream) {
 
 // A reader that sleeps reads the Polling that wakes it itself: with
 // polling off, every wait whose data comes while the reader reads the
-// connection is a self-wake, one Polling each.
+// connection is a self-wake, one Polling each. A wait may also end once
+// early: every delivery signals the stream's readCh, even one by the
+// reader's own pump, and a wait that finds the receive loop holding the
+// connection (the first one here) takes such a signal as a wakeup, finds
+// no data and waits again, one more park.
 func TestSelfWakes(t *testing.T) {
 	client, server := pair(t, &Config{PollTime: -1})
 	client.rx.in.handBackAfter = time.Hour // the loop never takes it back here
@@ -61,7 +65,8 @@ func TestSelfWakes(t *testing.T) {
 		require.Equal(t, byte(i), got[0])
 	}
 	st := client.Stats()
-	require.Equal(t, before.Parks+20, st.Parks, "%+v", st)
+	require.GreaterOrEqual(t, st.Parks, before.Parks+20, "%+v", st)
+	require.LessOrEqual(t, st.Parks, before.Parks+21, "more than one early wakeup: %+v", st)
 	require.Equal(t, before.SelfWakes+20, st.SelfWakes, "%+v", st)
 	require.Equal(t, before.WakeupsReceived+20, st.WakeupsReceived, "one Polling per byte")
 }
