@@ -197,6 +197,36 @@ func TestListenerDialerStats(t *testing.T) {
 		10*time.Second, time.Millisecond)
 }
 
+// A session that ended with streams its application never closed adds
+// its counters to the ended sessions' sums, but not its streams: those
+// are not active any more. Listener.Stats after Shutdown used to count
+// them.
+func TestStatsEndedSessionsHaveNoActiveStreams(t *testing.T) {
+	ln, cfg := listen(t, "unix")
+	d := &shmlink.Dialer{Config: cfg}
+	defer d.Close()
+	c, err := d.Dial("unix", ln.Addr().String())
+	require.NoError(t, err)
+	_, err = c.Write([]byte("x"))
+	require.NoError(t, err)
+	sc, err := ln.Accept() // the server's stream, left open
+	require.NoError(t, err)
+	_, err = io.ReadFull(sc, make([]byte, 1))
+	require.NoError(t, err)
+	require.Equal(t, 1, ln.Stats().ActiveStreams)
+	require.Equal(t, 1, d.Stats().ActiveStreams)
+
+	require.NoError(t, d.Close()) // ends the session under both streams
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, ln.Shutdown(ctx), "the session ended by itself")
+	ls := ln.Stats()
+	require.Zero(t, ls.ActiveStreams, "streams of ended sessions")
+	require.EqualValues(t, 1, ls.BytesReceived, "the ended session's counters stay")
+	require.Zero(t, d.Stats().ActiveStreams)
+	sc.Close()
+}
+
 // A client with Config.KeepAlive notices a server process that froze
 // (SIGSTOP): a Read with no deadline fails within about twice KeepAlive,
 // with an error naming it (#15: a frozen peer was noticed only through

@@ -388,7 +388,7 @@ func (d *Dialer) track(s *session.Session) {
 		<-s.Done()
 		d.mu.Lock()
 		delete(d.live, s)
-		addStats(&d.ended, s.Stats())
+		addEnded(&d.ended, s.Stats())
 		d.mu.Unlock()
 	}()
 }

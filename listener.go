@@ -493,7 +493,7 @@ func (l *Listener) serve(conn net.Conn) {
 	defer func() {
 		l.mu.Lock()
 		delete(l.sessions, s)
-		addStats(&l.ended, s.Stats())
+		addEnded(&l.ended, s.Stats())
 		l.mu.Unlock()
 	}()
 	for {

@@ -180,7 +180,7 @@ func (d *Dialer) trackQUIC(q *quicDialer, address string, qc *quicConn) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	delete(q.live, qc)
-	addQUICStats(&q.ended, qc.stats())
+	addEnded(&q.ended, qc.stats())
 	if q.conns[address] == qc {
 		delete(q.conns, address)
 	}

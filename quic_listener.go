@@ -165,7 +165,7 @@ func (q *quicListener) serve(qc *quicConn) {
 	defer func() {
 		q.mu.Lock()
 		delete(q.conns, qc)
-		addQUICStats(&q.ended, qc.stats())
+		addEnded(&q.ended, qc.stats())
 		q.mu.Unlock()
 	}()
 	ctx := qc.conn.Context()

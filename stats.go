@@ -26,6 +26,14 @@ func addStats(t *Stats, s session.Stats) {
 	t.ActiveStreams += s.ActiveStreams
 }
 
+// addEnded adds to t the counters of a session (or QUIC connection) that
+// ended, without its streams: they are not active any more, whether or
+// not the application closed them.
+func addEnded(t *Stats, s session.Stats) {
+	s.ActiveStreams = 0
+	addStats(t, s)
+}
+
 // sumStats returns ended plus the counters of every session in live.
 func sumStats(ended Stats, live map[*session.Session]struct{}) Stats {
 	t := ended
