@@ -493,7 +493,8 @@ func contended(b *testing.B, f func(b *testing.B)) {
 
 // BenchmarkPingPong: one stream, a request and an equal-size response per
 // op, client and server in two processes. SetBytes counts both messages;
-// cpu-us/op is the CPU time of both processes per round trip.
+// cpu-us/op is the CPU time of both processes per round trip, srv-cpu-us/op
+// the server's part of it.
 func BenchmarkPingPong(b *testing.B) {
 	sizes := []int{64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20}
 	for _, transport := range benchTransports {

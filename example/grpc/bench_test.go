@@ -138,7 +138,7 @@ func dialBench(b *testing.B, transport string) (echoClient, func()) {
 // 64 B messages one at a time; each on idle cores and contended (another
 // process keeping every core busy). An op is one call or one echoed
 // message. It reports calls/s, the CPU time of both processes per op
-// (cpu-us/op) and, with one caller, the p50 and p99 of a call.
+// (cpu-us/op; the server's part srv-cpu-us/op) and, with one caller, the p50 and p99 of a call.
 func BenchmarkGRPC(b *testing.B) {
 	for _, load := range []string{"idle", "contended"} {
 		b.Run(load, func(b *testing.B) {

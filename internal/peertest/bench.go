@@ -51,39 +51,69 @@ func CPUTime(pid int) (time.Duration, error) {
 // Start and Stop.
 type CPUMeter struct {
 	pids []int
-	at   time.Duration
+	at   []time.Duration // per process, at Start
 }
 
 // NewCPUMeter returns a meter of the processes pids (this process is
-// os.Getpid()).
-func NewCPUMeter(pids ...int) *CPUMeter { return &CPUMeter{pids: pids} }
+// os.Getpid()). A benchmark's meter lists the client first and its server
+// second: ReportCPU then reports the server's share too.
+func NewCPUMeter(pids ...int) *CPUMeter {
+	return &CPUMeter{pids: pids, at: make([]time.Duration, len(pids))}
+}
 
-func (m *CPUMeter) sum(tb testing.TB) time.Duration {
-	var total time.Duration
-	for _, pid := range m.pids {
+// times returns the CPU time of each process so far.
+func (m *CPUMeter) times(tb testing.TB) []time.Duration {
+	ts := make([]time.Duration, len(m.pids))
+	for i, pid := range m.pids {
 		d, err := CPUTime(pid)
 		if err != nil {
 			tb.Fatal(err)
 		}
-		total += d
+		ts[i] = d
 	}
-	return total
+	return ts
 }
 
 // Start records the processes' CPU time now.
-func (m *CPUMeter) Start(tb testing.TB) { m.at = m.sum(tb) }
+func (m *CPUMeter) Start(tb testing.TB) { m.at = m.times(tb) }
 
-// Stop returns the CPU time the processes used since Start.
-func (m *CPUMeter) Stop(tb testing.TB) time.Duration { return m.sum(tb) - m.at }
+// since returns the CPU time each process used since Start.
+func (m *CPUMeter) since(tb testing.TB) []time.Duration {
+	ts := m.times(tb)
+	for i := range ts {
+		ts[i] -= m.at[i]
+	}
+	return ts
+}
+
+// Stop returns the CPU time the processes used since Start, summed.
+func (m *CPUMeter) Stop(tb testing.TB) time.Duration {
+	var sum time.Duration
+	for _, d := range m.since(tb) {
+		sum += d
+	}
+	return sum
+}
 
 // ReportCPU reports the CPU time of m's processes since Start per
 // operation of b, in microseconds, as the metric "cpu-us/op": what both
-// ends of a transport spent on each operation, spinning included.
+// ends of a transport spent on each operation, spinning included. A meter
+// of two processes (client, server) also reports the server's part as
+// "srv-cpu-us/op", so that a change shows which end it moved.
 func (m *CPUMeter) ReportCPU(b *testing.B, ops int) {
 	if ops <= 0 {
 		return
 	}
-	b.ReportMetric(float64(m.Stop(b).Nanoseconds())/1e3/float64(ops), "cpu-us/op")
+	ts := m.since(b)
+	var sum time.Duration
+	for _, d := range ts {
+		sum += d
+	}
+	perOp := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 / float64(ops) }
+	b.ReportMetric(perOp(sum), "cpu-us/op")
+	if len(ts) == 2 {
+		b.ReportMetric(perOp(ts[1]), "srv-cpu-us/op")
+	}
 }
 
 // hogRole is the role of a process started by StartHog; Main runs it
