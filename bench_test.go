@@ -782,6 +782,83 @@ func paced(b *testing.B, transport string, gap time.Duration) {
 	waits.report(b, b.N)
 }
 
+// BenchmarkPacedSessions: 64 B requests 10 ms apart from 8 clients at
+// once, each with a session (shmlink) or a socket (uds) of its own: a
+// sidecar serving several processes whose requests come in gaps. Each
+// session's housekeeping timer (docs/protocol.md section 12.2) fires
+// every 16 ms while its requests keep coming, and each firing wakes the
+// process. It reports the round trip's p50 and p99 (the pause is not
+// counted; ns/op is, divided by the clients) and the CPU time of both
+// processes per request.
+func BenchmarkPacedSessions(b *testing.B) {
+	for _, transport := range []string{tShmlink, tUDS} {
+		b.Run(transport, func(b *testing.B) { pacedSessions(b, transport, 10*time.Millisecond, 8) })
+	}
+}
+
+// pacedSessions is one case of BenchmarkPacedSessions: clients round
+// trips, gap apart on each, over a session or socket each.
+func pacedSessions(b *testing.B, transport string, gap time.Duration, clients int) {
+	bc := newBenchClient(b, transport)
+	defer bc.close()
+	if bc.dialer != nil {
+		d := &shmlink.Dialer{MaxSessions: clients, StreamsPerSession: 1}
+		defer d.Close()
+		addr := startBenchServer(b).addrs[transport]
+		bc = &benchClient{dial: func() (io.ReadWriteCloser, error) { return d.Dial("unix", addr) }, dialer: d}
+	}
+	rts := make([]pingPonger, clients)
+	for i := range rts {
+		rt, c := newPingPonger(b, bc, transport, 64)
+		defer c.Close()
+		if err := rt(); err != nil {
+			b.Fatal(err)
+		}
+		rts[i] = rt
+	}
+	if bc.dialer != nil && bc.dialer.NumSessions() != clients {
+		b.Fatalf("%d sessions for %d clients", bc.dialer.NumSessions(), clients)
+	}
+	lats := make([]peertest.Latencies, clients)
+	for i := range lats {
+		lats[i] = make(peertest.Latencies, 0, b.N) // any client may run them all
+	}
+	b.ReportAllocs()
+	cpu := benchCPU(b)
+	var left atomic.Int64
+	left.Store(int64(b.N))
+	errs := make(chan error, clients)
+	b.ResetTimer()
+	cpu.Start(b)
+	for i, rt := range rts {
+		go func() {
+			pause := unix.NsecToTimespec(gap.Nanoseconds())
+			for left.Add(-1) >= 0 {
+				unix.Nanosleep(&pause, nil) // the workload's pause, as in paced
+				t0 := time.Now()
+				if err := rt(); err != nil {
+					errs <- err
+					return
+				}
+				lats[i] = append(lats[i], time.Since(t0))
+			}
+			errs <- nil
+		}()
+	}
+	for range clients {
+		if err := <-errs; err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	cpu.ReportCPU(b, b.N)
+	var all peertest.Latencies
+	for _, l := range lats {
+		all = append(all, l...)
+	}
+	all.Report(b)
+}
+
 // httpPrefix marks the addresses of the HTTP servers in benchPeer.addrs.
 const httpPrefix = "http-"
 
