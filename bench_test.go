@@ -799,14 +799,19 @@ func BenchmarkPacedSessions(b *testing.B) {
 // pacedSessions is one case of BenchmarkPacedSessions: clients round
 // trips, gap apart on each, over a session or socket each.
 func pacedSessions(b *testing.B, transport string, gap time.Duration, clients int) {
-	bc := newBenchClient(b, transport)
-	defer bc.close()
-	if bc.dialer != nil {
+	var bc *benchClient
+	if transport == tShmlink { // a session per client
 		d := &shmlink.Dialer{MaxSessions: clients, StreamsPerSession: 1}
-		defer d.Close()
 		addr := startBenchServer(b).addrs[transport]
-		bc = &benchClient{dial: func() (io.ReadWriteCloser, error) { return d.Dial("unix", addr) }, dialer: d}
+		bc = &benchClient{
+			dial:   func() (io.ReadWriteCloser, error) { return d.Dial("unix", addr) },
+			close:  func() { d.Close() },
+			dialer: d,
+		}
+	} else {
+		bc = newBenchClient(b, transport)
 	}
+	defer bc.close()
 	rts := make([]pingPonger, clients)
 	for i := range rts {
 		rt, c := newPingPonger(b, bc, transport, 64)
@@ -828,11 +833,11 @@ func pacedSessions(b *testing.B, transport string, gap time.Duration, clients in
 	var left atomic.Int64
 	left.Store(int64(b.N))
 	errs := make(chan error, clients)
-	b.ResetTimer()
-	cpu.Start(b)
+	start := make(chan struct{}) // the clients' goroutines start outside the timing
 	for i, rt := range rts {
 		go func() {
 			pause := unix.NsecToTimespec(gap.Nanoseconds())
+			<-start
 			for left.Add(-1) >= 0 {
 				unix.Nanosleep(&pause, nil) // the workload's pause, as in paced
 				t0 := time.Now()
@@ -845,6 +850,9 @@ func pacedSessions(b *testing.B, transport string, gap time.Duration, clients in
 			errs <- nil
 		}()
 	}
+	b.ResetTimer()
+	cpu.Start(b)
+	close(start)
 	for range clients {
 		if err := <-errs; err != nil {
 			b.Fatal(err)

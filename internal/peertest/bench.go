@@ -57,9 +57,7 @@ type CPUMeter struct {
 // NewCPUMeter returns a meter of the processes pids (this process is
 // os.Getpid()). A benchmark's meter lists the client first and its server
 // second: ReportCPU then reports the server's share too.
-func NewCPUMeter(pids ...int) *CPUMeter {
-	return &CPUMeter{pids: pids, at: make([]time.Duration, len(pids))}
-}
+func NewCPUMeter(pids ...int) *CPUMeter { return &CPUMeter{pids: pids} }
 
 // times returns the CPU time of each process so far.
 func (m *CPUMeter) times(tb testing.TB) []time.Duration {
@@ -87,9 +85,12 @@ func (m *CPUMeter) since(tb testing.TB) []time.Duration {
 }
 
 // Stop returns the CPU time the processes used since Start, summed.
-func (m *CPUMeter) Stop(tb testing.TB) time.Duration {
+func (m *CPUMeter) Stop(tb testing.TB) time.Duration { return total(m.since(tb)) }
+
+// total returns the sum of ds.
+func total(ds []time.Duration) time.Duration {
 	var sum time.Duration
-	for _, d := range m.since(tb) {
+	for _, d := range ds {
 		sum += d
 	}
 	return sum
@@ -105,12 +106,8 @@ func (m *CPUMeter) ReportCPU(b *testing.B, ops int) {
 		return
 	}
 	ts := m.since(b)
-	var sum time.Duration
-	for _, d := range ts {
-		sum += d
-	}
 	perOp := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 / float64(ops) }
-	b.ReportMetric(perOp(sum), "cpu-us/op")
+	b.ReportMetric(perOp(total(ts)), "cpu-us/op")
 	if len(ts) == 2 {
 		b.ReportMetric(perOp(ts[1]), "srv-cpu-us/op")
 	}
