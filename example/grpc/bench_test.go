@@ -108,18 +108,21 @@ func stopBenchServer() {
 	}
 }
 
-// dialBench returns a client connection to the server over transport and
-// a function that closes it (and the shmlink Dialer behind it).
-func dialBench(b *testing.B, transport string) (echoClient, func()) {
+// dialBench returns a client connection to the server over transport, a
+// function that closes it (and the shmlink Dialer behind it), and the
+// waitStats of its shmlink Dialer (nil for the other transports).
+func dialBench(b *testing.B, transport string) (echoClient, func(), *waitStats) {
 	p := startBenchServer(b)
 	addr := p.addrs[transport]
 	var dial func(ctx context.Context, _ string) (net.Conn, error)
 	closeDialer := func() {}
+	var ws *waitStats
 	switch transport {
 	case "shmlink":
 		d := &shmlink.Dialer{}
 		dial = func(ctx context.Context, _ string) (net.Conn, error) { return d.DialContext(ctx, "unix", addr) }
 		closeDialer = func() { d.Close() }
+		ws = &waitStats{d: d}
 	default:
 		network := map[string]string{"uds": "unix", "tcp": "tcp"}[transport]
 		var d net.Dialer
@@ -130,7 +133,41 @@ func dialBench(b *testing.B, transport string) (echoClient, func()) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	return echoClient{cc}, func() { cc.Close(); closeDialer() }
+	return echoClient{cc}, func() { cc.Close(); closeDialer() }, ws
+}
+
+// waitStats reports how the shmlink client's reads waited, per op, like
+// the main module's benchmarks: "hits/op" (a spin got the data),
+// "miss/op" (a spin gave up), "parks/op" (the reader slept until a
+// wakeup came), "self/op" (of those, it read the control connection
+// itself), and the Pollings the client sent ("wsent/op") and received
+// ("wrecv/op"). docs/protocol.md section 12 describes the waits.
+type waitStats struct {
+	d      *shmlink.Dialer
+	stats0 shmlink.Stats
+}
+
+// start takes the counters that report subtracts. A nil waitStats (not
+// shmlink) does nothing.
+func (w *waitStats) start() {
+	if w != nil {
+		w.stats0 = w.d.Stats()
+	}
+}
+
+// report reports the waits per op over ops ops since start.
+func (w *waitStats) report(b *testing.B, ops int) {
+	if w == nil || ops <= 0 {
+		return
+	}
+	st, s0 := w.d.Stats(), w.stats0
+	per := func(n, n0 uint64) float64 { return float64(n-n0) / float64(ops) }
+	b.ReportMetric(per(st.SpinHits, s0.SpinHits), "hits/op")
+	b.ReportMetric(per(st.SpinMisses, s0.SpinMisses), "miss/op")
+	b.ReportMetric(per(st.Parks, s0.Parks), "parks/op")
+	b.ReportMetric(per(st.SelfWakes, s0.SelfWakes), "self/op")
+	b.ReportMetric(per(st.WakeupsSent, s0.WakeupsSent), "wsent/op")
+	b.ReportMetric(per(st.WakeupsReceived, s0.WakeupsReceived), "wrecv/op")
 }
 
 // BenchmarkGRPC: unary Echo calls of 64 B, 4 KB and 64 KB from 1 and 16
@@ -138,7 +175,9 @@ func dialBench(b *testing.B, transport string) (echoClient, func()) {
 // 64 B messages one at a time; each on idle cores and contended (another
 // process keeping every core busy). An op is one call or one echoed
 // message. It reports calls/s, the CPU time of both processes per op
-// (cpu-us/op; the server's part srv-cpu-us/op) and, with one caller, the p50 and p99 of a call.
+// (cpu-us/op; the server's part srv-cpu-us/op), with one caller the p50 and
+// p99 of a call, and over shmlink how the client's reads waited
+// (waitStats: hits/op, miss/op, parks/op, ...).
 func BenchmarkGRPC(b *testing.B) {
 	for _, load := range []string{"idle", "contended"} {
 		b.Run(load, func(b *testing.B) {
@@ -176,7 +215,7 @@ func sizeName(n int) string {
 
 // benchUnary is one unary case of BenchmarkGRPC.
 func benchUnary(b *testing.B, transport string, size, callers int) {
-	c, closeConn := dialBench(b, transport)
+	c, closeConn, ws := dialBench(b, transport)
 	defer closeConn()
 	ctx := context.Background()
 	call := func(req *wrapperspb.BytesValue) error {
@@ -214,6 +253,7 @@ func benchUnary(b *testing.B, transport string, size, callers int) {
 	var next atomic.Int64
 	var failed atomic.Pointer[error]
 	b.ResetTimer()
+	ws.start()
 	cpu.Start(b)
 	var wg sync.WaitGroup
 	for w := range callers {
@@ -240,6 +280,7 @@ func benchUnary(b *testing.B, transport string, size, callers int) {
 		b.Fatal(*err)
 	}
 	cpu.ReportCPU(b, b.N)
+	ws.report(b, b.N)
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "calls/s")
 	if callers == 1 {
 		lat.Report(b)
@@ -249,7 +290,7 @@ func benchUnary(b *testing.B, transport string, size, callers int) {
 // benchBidi is the bidirectional case of BenchmarkGRPC: one EchoStream
 // call, a 64-byte message sent and its echo received per op.
 func benchBidi(b *testing.B, transport string) {
-	c, closeConn := dialBench(b, transport)
+	c, closeConn, ws := dialBench(b, transport)
 	defer closeConn()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -284,6 +325,7 @@ func benchBidi(b *testing.B, transport string) {
 	cpu := peertest.NewCPUMeter(os.Getpid(), benchSrv.srv.Pid())
 	lat := make(peertest.Latencies, 0, b.N)
 	b.ResetTimer()
+	ws.start()
 	cpu.Start(b)
 	for i := range b.N {
 		t0 := time.Now()
@@ -294,6 +336,7 @@ func benchBidi(b *testing.B, transport string) {
 	}
 	b.StopTimer()
 	cpu.ReportCPU(b, b.N)
+	ws.report(b, b.N)
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "calls/s")
 	lat.Report(b)
 	stream.CloseSend()
