@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -52,12 +53,43 @@ func CPUTime(pid int) (time.Duration, error) {
 type CPUMeter struct {
 	pids []int
 	at   []time.Duration // per process, at Start
+	// dist is the CPUs' distance (CPUDistance) when the meter was made; 0
+	// if not measured.
+	dist time.Duration
 }
 
 // NewCPUMeter returns a meter of the processes pids (this process is
 // os.Getpid()). A benchmark's meter lists the client first and its server
-// second: ReportCPU then reports the server's share too.
-func NewCPUMeter(pids ...int) *CPUMeter { return &CPUMeter{pids: pids} }
+// second: ReportCPU then reports the server's share too, and the placement
+// of the CPUs ("xcpu-ns"), which NewCPUMeter measures a first time. Make
+// the meter before the benchmark's timer starts: the measurement holds two
+// CPUs for up to 2 ms.
+func NewCPUMeter(pids ...int) *CPUMeter {
+	m := &CPUMeter{pids: pids}
+	if len(pids) == 2 {
+		m.dist = placement()
+	}
+	return m
+}
+
+// placement returns the distance (CPUDistance) between the first two CPUs
+// of this process's mask; 0 when there are fewer, when another process
+// keeps the CPUs busy (StartHog: the measurement would wait for time
+// slices), or when it fails.
+func placement() time.Duration {
+	if hogs.Load() > 0 {
+		return 0
+	}
+	cpus := allowedCPUs()
+	if len(cpus) < 2 {
+		return 0
+	}
+	d, err := CPUDistance(cpus[0], cpus[1])
+	if err != nil {
+		return 0
+	}
+	return d
+}
 
 // times returns the CPU time of each process so far.
 func (m *CPUMeter) times(tb testing.TB) []time.Duration {
@@ -100,7 +132,12 @@ func total(ds []time.Duration) time.Duration {
 // operation of b, in microseconds, as the metric "cpu-us/op": what both
 // ends of a transport spent on each operation, spinning included. A meter
 // of two processes (client, server) also reports the server's part as
-// "srv-cpu-us/op", so that a change shows which end it moved.
+// "srv-cpu-us/op", so that a change shows which end it moved, and, unless
+// a StartHog process runs, "xcpu-ns": the farther of the CPUs' placements
+// measured when the meter was made and now (CPUDistance, in ns per round
+// trip of a cache line), so that a result can be told from one taken with
+// the host's vCPUs placed differently. Call it after the timed loop: it
+// stops b's timer before it measures the placement.
 func (m *CPUMeter) ReportCPU(b *testing.B, ops int) {
 	if ops <= 0 {
 		return
@@ -108,10 +145,20 @@ func (m *CPUMeter) ReportCPU(b *testing.B, ops int) {
 	ts := m.since(b)
 	perOp := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 / float64(ops) }
 	b.ReportMetric(perOp(total(ts)), "cpu-us/op")
-	if len(ts) == 2 {
-		b.ReportMetric(perOp(ts[1]), "srv-cpu-us/op")
+	if len(ts) != 2 {
+		return
+	}
+	b.ReportMetric(perOp(ts[1]), "srv-cpu-us/op")
+	if m.dist > 0 {
+		b.StopTimer()
+		if d := placement(); d > 0 {
+			b.ReportMetric(float64(max(d, m.dist).Nanoseconds()), "xcpu-ns")
+		}
 	}
 }
+
+// hogs counts the StartHog processes running.
+var hogs atomic.Int32
 
 // hogRole is the role of a process started by StartHog; Main runs it
 // whatever roles its caller knows.
@@ -122,6 +169,8 @@ const hogRole = "cpu-hog"
 // benchmarks, another tenant of a shared host. The test's end stops it.
 func StartHog(tb testing.TB) {
 	tb.Helper()
+	hogs.Add(1)
+	tb.Cleanup(func() { hogs.Add(-1) })
 	cmd := Cmd(hogRole, Params{})
 	cmd.Stdout, cmd.Stderr = nil, os.Stderr
 	stdin, err := cmd.StdinPipe()
