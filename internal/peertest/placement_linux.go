@@ -36,23 +36,24 @@ type paddedWord struct {
 // CPUDistance returns how far apart the host has placed CPUs a and b: the
 // time for a cache line written by a thread pinned to a to reach a thread
 // pinned to b and for the answer to come back, the median over 15 batches
-// of 256 round trips. On a virtual machine the host moves vCPUs between
-// its cores: on this project's 2-vCPU AMD EPYC VM it reads about 50 ns,
-// 100-120 ns or 500 ns, and changes every few seconds. Every cache line
-// that one process writes into shared memory and the other reads pays
-// it, so bulk copies through shared memory slow down several times in
-// the far placement (README, Performance); a socket's copies pay it too,
-// but their system calls dominate.
+// of 256 round trips. a and b are CPU numbers as the kernel counts them
+// (0 to 1023).
 //
-// a and b are CPU numbers as the kernel counts them (0 to 1023).
+// On a virtual machine the host moves vCPUs between its cores: on this
+// project's 2-vCPU AMD EPYC VM it reads about 50 ns, 90-120 ns or 485-680
+// ns, and changes every few seconds. Every cache line that one process
+// writes into shared memory and the other reads pays it, so bulk copies
+// through shared memory slow down several times in the far placement
+// (README, Performance); a socket's copies pay it too, but their system
+// calls dominate.
+//
 // Each side runs on a goroutine locked to a thread of its own, whose CPU
-// mask is set to one CPU; the threads exit with the goroutines, so no
-// other goroutine inherits the mask, and both have ended when CPUDistance
-// returns. Both CPUs are held for the
-// measurement, 0.2 to 2 ms while they are idle. It returns an error when
-// a thread cannot be pinned (a CPU that does not exist or is not in the
-// process's mask) and ErrDistanceTimeout when the round trips take more
-// than 200 ms in all.
+// mask is set to one CPU. The goroutines end with the measurement and
+// their threads exit with them, so no other goroutine inherits a mask.
+// Both CPUs are held for 0.2 to 2 ms while they are idle. It returns an
+// error when a thread cannot be pinned (a CPU that does not exist or is
+// not in the process's mask) and ErrDistanceTimeout when the round trips
+// take more than 200 ms in all.
 func CPUDistance(a, b int) (time.Duration, error) {
 	var ping, pong paddedWord
 	var stop atomic.Bool
