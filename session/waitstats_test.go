@@ -8,7 +8,7 @@ import (
 )
 
 // Stats counts how a reader's waits ended: with polling off every wait
-// sleeps; with an endless PollTime every wait ends in its spin.
+// sleeps, none spins; with an endless PollTime every wait ends in its spin.
 func TestWaitStats(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
@@ -42,7 +42,11 @@ func TestWaitStats(t *testing.T) {
 				require.Equal(t, before.Parks, st.Parks)
 			}
 			if tc.sleeps {
-				require.Equal(t, before.Parks+20, st.Parks, "%+v", st)
+				// Every read slept at least once. A wait may end without
+				// the data and sleep again (waitForData may return when
+				// something only may have changed: a wakeup left from the
+				// read before, while the receive loop held the connection).
+				require.GreaterOrEqual(t, st.Parks, before.Parks+20, "%+v", st)
 				require.Equal(t, before.SpinHits, st.SpinHits)
 				require.Equal(t, before.SpinMisses, st.SpinMisses)
 			}
