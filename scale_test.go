@@ -1,8 +1,10 @@
 package shmlink_test
 
 import (
+	"context"
 	"fmt"
 	"io"
+	"path/filepath"
 	"sync"
 	"testing"
 	"time"
@@ -33,7 +35,16 @@ const (
 // session counts, the process's descriptors and goroutines are back where
 // they were before the first Dial.
 func TestScale(t *testing.T) {
-	ln, cfg := listen(t, "unix")
+	// Every stream may wait in one session's accept backlog: while the
+	// Dialer dials its second session, the burst's streams all go to the
+	// first (Dialer.pick), and a server refuses streams beyond its backlog
+	// (the client reads io.EOF).
+	dir := t.TempDir()
+	cfg := &shmlink.Config{ShmDir: dir, AcceptBacklog: scaleClients}
+	lc := shmlink.ListenConfig{Config: cfg}
+	ln, err := lc.Listen(context.Background(), "unix", filepath.Join(dir, "s.sock"))
+	require.NoError(t, err)
+	defer ln.CloseSessions()
 	stop := serveEcho(ln, scaleHandlers)
 	defer stop()
 	d := &shmlink.Dialer{Config: cfg, IdleTimeout: 50 * time.Millisecond}
@@ -88,7 +99,8 @@ func TestScale(t *testing.T) {
 	wg.Wait()
 	t.Logf("%d exchanges of %d bytes in %v over at most %d sessions",
 		scaleClients, scaleMsgSize, time.Since(t0).Round(time.Millisecond), peak)
-	require.Empty(t, failures, "%d of %d exchanges failed", len(failures), scaleClients)
+	require.Empty(t, failures, "%d of %d exchanges failed; listener %+v; dialer %+v",
+		len(failures), scaleClients, ln.Stats(), d.Stats())
 
 	requireBackTo(t, base, func(c *assert.CollectT) {
 		assert.Zero(c, d.NumSessions(), "the Dialer's idle sessions time out")
