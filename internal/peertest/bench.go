@@ -3,6 +3,7 @@ package peertest
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -156,6 +157,10 @@ func (m *CPUMeter) ReportCPU(b *testing.B, ops int) {
 		}
 	}
 }
+
+// ErrDistanceTimeout is returned by CPUDistance when its round trips did
+// not complete within 200 ms: one of the CPUs is busy with other threads.
+var ErrDistanceTimeout = errors.New("peertest: CPU distance: round trips did not complete in time (a CPU is busy)")
 
 // hogs counts the StartHog processes running.
 var hogs atomic.Int32

@@ -1,7 +1,6 @@
 package peertest
 
 import (
-	"errors"
 	"fmt"
 	"runtime"
 	"slices"
@@ -21,10 +20,6 @@ const (
 	// thread keeps busy runs a pinned thread only in time slices.
 	distanceTimeout = 200 * time.Millisecond
 )
-
-// ErrDistanceTimeout is returned by CPUDistance when its round trips did
-// not complete within 200 ms: one of the CPUs is busy with other threads.
-var ErrDistanceTimeout = errors.New("peertest: CPU distance: round trips did not complete in time (a CPU is busy)")
 
 // paddedWord is a word alone on its cache line (64 bytes, with room for
 // the adjacent-line prefetcher's 128).

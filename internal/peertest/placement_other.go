@@ -7,10 +7,6 @@ import (
 	"time"
 )
 
-// ErrDistanceTimeout is returned by CPUDistance when its round trips did
-// not complete in time; see the Linux version.
-var ErrDistanceTimeout = errors.New("peertest: CPU distance: round trips did not complete in time (a CPU is busy)")
-
 // CPUDistance measures how far apart the host placed two CPUs on Linux
 // (see the Linux version); elsewhere it returns an error.
 func CPUDistance(a, b int) (time.Duration, error) {
