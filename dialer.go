@@ -81,6 +81,19 @@ const (
 	// maxDrainingPicks bounds how often one Dialer.DialContext picks again
 	// after its session turned out to be draining.
 	maxDrainingPicks = 8
+
+	// dialingLoadFactor bounds the streams a session takes while the
+	// Dialer dials another session to its address: up to this many times
+	// StreamsPerSession; later dials wait for the new session. A burst of
+	// dials then cannot pile onto one session beyond its server's accept
+	// backlog (Config.AcceptBacklog, 4096 by default), where the server
+	// refuses streams (docs/protocol.md section 11).
+	dialingLoadFactor = 2
+
+	// growRetryAfter is how long a Dialer keeps to the sessions it has
+	// after a dial to grow their pool failed, before it tries to grow the
+	// pool again.
+	growRetryAfter = time.Second
 )
 
 // Dialer opens streams to shmlink listeners over a small pool of sessions
@@ -88,7 +101,13 @@ const (
 // regions, and dialing and closing a stream costs no system call beyond
 // the wakeups. A Dial uses the session with the fewest streams; once every
 // session has StreamsPerSession streams or more it opens another, up to
-// MaxSessions, and then keeps spreading over those. Stream ids are reused:
+// MaxSessions, and then keeps spreading over those. While the new session
+// is being dialed, streams keep going to the others until they carry twice
+// StreamsPerSession; dials beyond that wait for the new session, so that a
+// burst of dials does not fill one session past its server's accept
+// backlog. If the new session cannot be dialed, the streams go to the
+// sessions the Dialer has, and it tries to grow the pool again a second
+// later (the failure is logged to Config.Logger). Stream ids are reused:
 // a closed stream's id returns to its session by itself once the server
 // closed the stream too. A session idle for IdleTimeout is closed.
 //
@@ -142,8 +161,13 @@ type Dialer struct {
 	quic   *quicDialer             // the "quic" network's side, from its first dial
 	pools  map[string]*sessionPool // by network + " " + address
 	closed bool
-	live   map[*session.Session]struct{} // every session until it ends
-	ended  Stats                         // the counters of the sessions that ended
+	// dialSession dials a session for the pool, and growRetry replaces
+	// growRetryAfter when not zero; tests set them to hold or fail a dial
+	// (export_test.go). nil means the package's dialSession.
+	dialSession func(ctx context.Context, cfg *Config, network, address string) (*session.Session, error)
+	growRetry   time.Duration
+	live        map[*session.Session]struct{} // every session until it ends
+	ended       Stats                         // the counters of the sessions that ended
 }
 
 // sessionPool is a Dialer's sessions to one address.
@@ -156,6 +180,9 @@ type sessionPool struct {
 	// sessions name their shared memory with (Config.Epoch).
 	draining []*session.Session
 	epoch    uint64
+	// growAfter is when the pool may try to grow again after a dial to
+	// grow it failed (growRetryAfter).
+	growAfter time.Time
 }
 
 // dialCall is one dial of a new session, shared by the dials waiting on it.
@@ -310,24 +337,41 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 			d.pools[key] = p
 		}
 		best, load := p.leastLoaded()
-		if best != nil && (load < perSession || p.dial != nil || len(p.sessions) >= maxSessions) {
+		if best != nil && (load < perSession || len(p.sessions) >= maxSessions) {
 			d.mu.Unlock()
 			return best, nil
 		}
 		if call := p.dial; call != nil {
-			// No session yet: wait for the dial in progress.
-			d.mu.Unlock()
-			if err := call.wait(ctx); err != nil {
-				return nil, err
+			if best != nil && load < dialingLoadFactor*perSession {
+				d.mu.Unlock()
+				return best, nil
 			}
-			continue // it succeeded, or failed for its own context
+			// No session yet, or the least loaded one is full enough
+			// while another is dialed: wait for that dial.
+			d.mu.Unlock()
+			err := call.wait(ctx)
+			switch {
+			case err == nil:
+				continue // it succeeded, or failed for its own context
+			case best != nil && ctx.Err() == nil:
+				return best, nil // the pool could not grow: keep to what it has
+			}
+			return nil, err
+		}
+		if best != nil && time.Now().Before(p.growAfter) {
+			d.mu.Unlock()
+			return best, nil // the last dial to grow the pool failed just now
 		}
 		call := &dialCall{done: make(chan struct{})}
 		p.dial = call
 		cfg := withEpoch(d.Config, p.epoch)
+		dial := d.dialSession
+		if dial == nil {
+			dial = dialSession
+		}
 		d.mu.Unlock()
 
-		s, err := dialSession(ctx, cfg, network, address)
+		s, err := dial(ctx, cfg, network, address)
 		d.mu.Lock()
 		p.dial = nil
 		switch {
@@ -339,6 +383,10 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 			p.sessions = append(p.sessions, s)
 			d.track(s)
 		}
+		growFailed := best != nil && err != nil && !d.closed && ctx.Err() == nil
+		if growFailed {
+			p.growAfter = time.Now().Add(cmp.Or(d.growRetry, growRetryAfter))
+		}
 		if len(p.sessions) == 0 && len(p.draining) == 0 && d.pools[key] == p {
 			delete(d.pools, key)
 		}
@@ -349,10 +397,24 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 			if s != nil {
 				s.Close()
 			}
+			if growFailed {
+				d.logGrowFailed(network, address, err)
+				return best, nil
+			}
 			return nil, err
 		}
 		return s, nil
 	}
+}
+
+// logGrowFailed logs, to Config.Logger, a failed dial of a session that
+// would have grown a pool that has sessions already.
+func (d *Dialer) logGrowFailed(network, address string, err error) {
+	if d.Config == nil || d.Config.Logger == nil {
+		return
+	}
+	d.Config.Logger.Warn("shmlink: dialer: could not add a session; streams stay on the sessions it has",
+		"network", network, "address", address, "retry_after", cmp.Or(d.growRetry, growRetryAfter), "err", err)
 }
 
 // Close ends every session of the Dialer, with all their streams, and makes

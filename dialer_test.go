@@ -1,9 +1,12 @@
 package shmlink_test
 
 import (
+	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"sync"
 	"testing"
@@ -127,4 +130,162 @@ func TestDialerConfigErrors(t *testing.T) {
 		require.Equal(t, tc.field, ce.Field)
 		require.Contains(t, err.Error(), tc.field)
 	}
+}
+
+// While a Dialer dials a new session, a burst of dials spreads over the
+// loaded session only up to twice StreamsPerSession; the rest wait for
+// the new session, or, when its dial fails, take the loaded one after all.
+// Without the bound the whole burst lands on one session, and past its
+// server's accept backlog the server refuses streams that the dials
+// returned.
+func TestDialerBurstWhileDialing(t *testing.T) {
+	for _, fail := range []bool{false, true} {
+		t.Run(fmt.Sprint("dial fails=", fail), func(t *testing.T) {
+			ln, cfg := listen(t, "unix")
+			defer serveEcho(ln, 32)()
+			// The burst: perSession streams fill the first session to twice
+			// perSession; the other 2*perSession (one dialing) fill the
+			// second session up to the first's load.
+			const perSession, burst = 4, 3 * 4
+			d := &shmlink.Dialer{Config: cfg, MaxSessions: 2, StreamsPerSession: perSession}
+			defer d.Close()
+			dialing, release := make(chan struct{}), make(chan struct{})
+			calls := 0
+			shmlink.SetDialHook(d, time.Hour, func(real shmlink.SessionDialer) shmlink.SessionDialer {
+				return func(ctx context.Context, cfg *shmlink.Config, network, address string) (*session.Session, error) {
+					calls++ // under the pool's one dial at a time
+					if calls == 1 {
+						return real(ctx, cfg, network, address)
+					}
+					close(dialing)
+					<-release
+					if fail {
+						return nil, errors.New("test: dial refused")
+					}
+					return real(ctx, cfg, network, address)
+				}
+			})
+			var conns []*shmlink.Stream
+			for range perSession {
+				c, err := d.DialStream(t.Context(), "unix", ln.Addr().String())
+				require.NoError(t, err)
+				conns = append(conns, c)
+			}
+			first := conns[0].Session()
+
+			results := make(chan *shmlink.Stream, burst)
+			errs := make(chan error, burst)
+			for range burst {
+				go func() {
+					c, err := d.DialStream(t.Context(), "unix", ln.Addr().String())
+					if err != nil {
+						errs <- err
+						return
+					}
+					results <- c
+				}()
+			}
+			<-dialing
+			// While the second session is dialed, the first takes streams up
+			// to twice perSession; the other dials (one of them dialing)
+			// cannot return before release.
+			for range perSession {
+				select {
+				case c := <-results:
+					require.Same(t, first, c.Session())
+					conns = append(conns, c)
+				case err := <-errs:
+					t.Fatal(err)
+				}
+			}
+			require.Equal(t, 2*perSession, first.NumStreams())
+			close(release)
+			for range burst - perSession {
+				select {
+				case c := <-results:
+					if fail {
+						require.Same(t, first, c.Session(), "the pool could not grow")
+					} else {
+						require.NotSame(t, first, c.Session(), "waited for the new session")
+					}
+					conns = append(conns, c)
+				case err := <-errs:
+					t.Fatal(err)
+				}
+			}
+			for i, c := range conns {
+				msg := fmt.Sprint("stream ", i)
+				_, err := c.Write([]byte(msg))
+				require.NoError(t, err)
+				got := make([]byte, len(msg))
+				_, err = io.ReadFull(c, got)
+				require.NoError(t, err)
+				require.Equal(t, msg, string(got))
+				require.NoError(t, c.Close())
+			}
+			require.Zero(t, ln.Stats().StreamsRefused)
+			require.Equal(t, 2, calls)
+		})
+	}
+}
+
+// A dial that would grow a pool and fails leaves the stream on a session
+// the pool has, and is logged; the pool tries to grow again only after
+// the retry delay.
+func TestDialerGrowFailureKeepsSessions(t *testing.T) {
+	ln, cfg := listen(t, "unix")
+	defer serveEcho(ln, 8)()
+	var logged syncBuffer
+	lcfg := *cfg
+	lcfg.Logger = slog.New(slog.NewTextHandler(&logged, nil))
+	for _, retry := range []time.Duration{time.Hour, time.Nanosecond} {
+		t.Run("retry="+retry.String(), func(t *testing.T) {
+			d := &shmlink.Dialer{Config: &lcfg, MaxSessions: 2, StreamsPerSession: 2}
+			defer d.Close()
+			calls := 0
+			shmlink.SetDialHook(d, retry, func(real shmlink.SessionDialer) shmlink.SessionDialer {
+				return func(ctx context.Context, cfg *shmlink.Config, network, address string) (*session.Session, error) {
+					calls++
+					if calls == 2 {
+						return nil, errors.New("test: dial refused")
+					}
+					return real(ctx, cfg, network, address)
+				}
+			})
+			sessions := map[*session.Session]int{}
+			for range 6 {
+				c, err := d.DialStream(t.Context(), "unix", ln.Addr().String())
+				require.NoError(t, err)
+				defer c.Close()
+				sessions[c.Session()]++
+			}
+			if retry == time.Hour {
+				require.Equal(t, 2, calls, "no second try within the retry delay")
+				require.Len(t, sessions, 1)
+			} else {
+				require.Equal(t, 3, calls, "the next dial after the delay grew the pool")
+				require.Len(t, sessions, 2)
+			}
+			require.Contains(t, logged.String(), "could not add a session")
+			require.Contains(t, logged.String(), "test: dial refused")
+		})
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for concurrent writes and reads.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
