@@ -35,12 +35,13 @@ const (
 // session counts, the process's descriptors and goroutines are back where
 // they were before the first Dial.
 func TestScale(t *testing.T) {
-	// Every stream may wait in one session's accept backlog: while the
-	// Dialer dials its second session, the burst's streams all go to the
-	// first (Dialer.pick), and a server refuses streams beyond its backlog
-	// (the client reads io.EOF).
+	// The burst spreads over the Dialer's sessions (one takes at most
+	// twice StreamsPerSession while the next is dialed), so each session's
+	// accept backlog, 4096 by default, holds its streams that wait for a
+	// handler: the server refuses none (a refused stream's client would
+	// read io.EOF).
 	dir := t.TempDir()
-	cfg := &shmlink.Config{ShmDir: dir, AcceptBacklog: scaleClients}
+	cfg := &shmlink.Config{ShmDir: dir}
 	lc := shmlink.ListenConfig{Config: cfg}
 	ln, err := lc.Listen(context.Background(), "unix", filepath.Join(dir, "s.sock"))
 	require.NoError(t, err)
@@ -101,6 +102,7 @@ func TestScale(t *testing.T) {
 		scaleClients, scaleMsgSize, time.Since(t0).Round(time.Millisecond), peak)
 	require.Empty(t, failures, "%d of %d exchanges failed; listener %+v; dialer %+v",
 		len(failures), scaleClients, ln.Stats(), d.Stats())
+	require.Zero(t, ln.Stats().StreamsRefused)
 
 	requireBackTo(t, base, func(c *assert.CollectT) {
 		assert.Zero(c, d.NumSessions(), "the Dialer's idle sessions time out")
