@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
@@ -142,7 +143,8 @@ func TestConnErrors(t *testing.T) {
 // Unix listener (#15: it ended every session, failing requests in
 // flight): Accept fails, an accepted stream goes on working, a
 // stream not yet accepted and a new stream on the same session are
-// refused (io.EOF), and the session ends with its last stream.
+// refused (ErrStreamRefused, ECONNREFUSED), and the session ends with its
+// last stream.
 func TestListenerCloseKeepsStreams(t *testing.T) {
 	ln, cfg := listen(t, "unix")
 	d := &shmlink.Dialer{Config: cfg}
@@ -156,17 +158,18 @@ func TestListenerCloseKeepsStreams(t *testing.T) {
 	require.NoError(t, ln.Close())
 	_, err = ln.Accept()
 	require.ErrorIs(t, err, net.ErrClosed)
-	requireEOF := func(c net.Conn, what string) {
+	requireRefused := func(c net.Conn, what string) {
 		t.Helper()
 		require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
 		_, err := c.Read(make([]byte, 1))
-		require.ErrorIs(t, err, io.EOF, what)
+		require.ErrorIs(t, err, shmlink.ErrStreamRefused, what)
+		require.ErrorIs(t, err, syscall.ECONNREFUSED, what)
 		require.NoError(t, c.Close())
 	}
-	requireEOF(waiting, "a stream Accept never returned")
+	requireRefused(waiting, "a stream Accept never returned")
 	late, err := d.Dial("unix", ln.Addr().String()) // the pooled session
 	require.NoError(t, err)
-	requireEOF(late, "a stream opened after Close")
+	requireRefused(late, "a stream opened after Close")
 
 	// The accepted stream still works both ways.
 	_, err = c.Write([]byte("ping"))

@@ -40,6 +40,7 @@ var (
 	ErrSessionClosed = session.ErrSessionClosed // errors.Is(err, net.ErrClosed)
 	ErrStreamClosed  = session.ErrStreamClosed  // errors.Is(err, net.ErrClosed)
 	ErrWriteClosed   = session.ErrWriteClosed   // errors.Is(err, net.ErrClosed)
+	ErrStreamRefused = session.ErrStreamRefused // errors.Is(err, syscall.ECONNREFUSED)
 	ErrPeerClosed    = session.ErrPeerClosed    // errors.Is(err, syscall.ECONNRESET)
 	ErrQueueFull     = session.ErrQueueFull
 	ErrHandshake     = session.ErrHandshake

@@ -25,6 +25,17 @@ var (
 	// CloseWrite. It satisfies errors.Is(err, net.ErrClosed).
 	ErrWriteClosed = fmt.Errorf("shmlink: stream closed for writing: %w", net.ErrClosed)
 
+	// ErrStreamRefused is returned by Read, Write and the zero-copy calls on
+	// a client's stream that its server refused: the session's accept
+	// backlog (Config.AcceptBacklog) or Config.MaxStreams was full, or the
+	// server session was closing (CloseWhenIdle, a closed Listener).
+	// Nothing written on the stream reached the server's application. Only
+	// a shmlink server says so (docs/protocol.md section 11); with another
+	// server, or when its IO queue was full, a refused stream ends as a
+	// closed one does, with io.EOF. It satisfies errors.Is(err,
+	// syscall.ECONNREFUSED).
+	ErrStreamRefused = fmt.Errorf("shmlink: stream refused by the server: %w", syscall.ECONNREFUSED)
+
 	// errNotClient is returned by OpenStream on a server session: only the
 	// client opens streams in the shmipc protocol (docs/protocol.md section 4).
 	errNotClient = errors.New("shmlink: only a client session opens streams")

@@ -32,7 +32,7 @@ type memory struct {
 	send, recv       *queue.Ring
 	remove           []string // file paths this side created and still has to unlink
 	sealed           bool     // the peer cannot shrink the memory (shm.SealShrink)
-	features         uint32   // a client's: what its server marked (markedFeatures)
+	features         uint32   // what the peer marked: a client's server (markedFeatures), a server's client (clientFeatures)
 	unclaim          []func() // a server's shm.Claim of the peer's files, undone on release
 }
 
@@ -96,6 +96,13 @@ func handshakeError(op string, err error) error {
 // returns the negotiated version. On error everything it created is
 // released; conn is left to the caller.
 func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err error) {
+	return clientHandshakeMarking(conn, cfg, true)
+}
+
+// clientHandshakeMarking is clientHandshake that writes the client's
+// marker into its region (marker.go) only if mark is set; tests play
+// clients of other kinds with it.
+func clientHandshakeMarking(conn net.Conn, cfg *Config, mark bool) (_ *memory, version uint8, err error) {
 	uc, isUnix := conn.(*net.UnixConn)
 	if _, err := checkPeer(conn, cfg); err != nil {
 		return nil, 0, err
@@ -126,6 +133,9 @@ func clientHandshake(conn net.Conn, cfg *Config) (_ *memory, version uint8, err 
 		return nil, 0, err
 	}
 	defer closeFiles(files)
+	if mark {
+		markClientRegion(mem.bufMem) // our own fresh mapping: no fault
+	}
 	if version, err = shareV3(conn, uc, mt, meta, files); err != nil {
 		mem.release()
 		return nil, 0, err
@@ -181,8 +191,8 @@ func createShared(cfg *Config, mt MemoryType, meta wire.ShmMetadata) (*memory, [
 	if mem.queueMem, err = shm.Map(int(files[1].Fd()), queueSize); err != nil {
 		return fail("map queue", err)
 	}
-	// The last markerSize bytes stay out of the region, for a shmlink
-	// server's marker (marker.go).
+	// The last markerSize bytes stay out of the region, for the client's
+	// marker (clientHandshakeMarking) and then the server's (marker.go).
 	if mem.region, err = buffer.Format(mem.bufMem[:len(mem.bufMem)-markerSize], cfg.SizeClasses); err != nil {
 		return fail("format buffer", err)
 	}
@@ -305,7 +315,11 @@ func serverHandshakeMarking(conn net.Conn, cfg *Config, mark bool) (mem *memory,
 		return nil, 0, err
 	}
 	if mark {
-		if err = guard(func() error { markRegion(mem.bufMem); return nil }); err != nil {
+		if err = guard(func() error {
+			mem.features = clientFeatures(mem.bufMem)
+			markRegion(mem.bufMem)
+			return nil
+		}); err != nil {
 			mem.release()
 			return nil, 0, handshakeError("marker", err)
 		}

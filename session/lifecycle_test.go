@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net"
+	"syscall"
 	"testing"
 	"time"
 
@@ -242,8 +243,9 @@ func TestStreamIDReuseCycles(t *testing.T) {
 }
 
 // A server whose accept backlog is full refuses a stream: the client reads
-// EOF, its later data is dropped rather than opening a phantom stream, and
-// the id is reused cleanly once both closes were exchanged.
+// and writes ErrStreamRefused (ECONNREFUSED), the data it wrote before it
+// knew is dropped rather than opening a phantom stream, and the id is
+// reused cleanly once both closes were exchanged.
 func TestRefusedStream(t *testing.T) {
 	client, server := pair(t, &Config{AcceptBacklog: 1})
 	ctx := context.Background()
@@ -251,10 +253,17 @@ func TestRefusedStream(t *testing.T) {
 	require.NoError(t, err)
 	c2, err := client.OpenStream(ctx)
 	require.NoError(t, err)
+	// Sent before the refusal came back, or refused already.
+	if _, err = c2.Write([]byte("dropped")); err != nil {
+		require.ErrorIs(t, err, ErrStreamRefused)
+	}
 	_, err = c2.Read(make([]byte, 1))
-	require.ErrorIs(t, err, io.EOF, "refused")
-	_, err = c2.Write([]byte("dropped"))
-	require.NoError(t, err)
+	require.ErrorIs(t, err, ErrStreamRefused)
+	require.ErrorIs(t, err, syscall.ECONNREFUSED)
+	_, err = c2.Write([]byte("late"))
+	require.ErrorIs(t, err, ErrStreamRefused)
+	_, err = c2.ReadChunk(1)
+	require.ErrorIs(t, err, ErrStreamRefused)
 	s1 := accept(t, server)
 	require.Equal(t, c1.ID(), s1.ID())
 	require.NoError(t, c2.Close())

@@ -3,6 +3,7 @@ package session
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -34,6 +35,13 @@ func rawClient(t *testing.T, ccfg, scfg *Config) (*memory, *Session, func([]byte
 // rawClientConn is rawClient that returns the client's socket.
 func rawClientConn(t *testing.T, ccfg, scfg *Config) (*memory, *Session, net.Conn) {
 	t.Helper()
+	return rawClientMarking(t, ccfg, scfg, true)
+}
+
+// rawClientMarking is rawClientConn whose client writes its marker only
+// if mark is set: without it, it plays a shmipc-go or Rust client.
+func rawClientMarking(t *testing.T, ccfg, scfg *Config, mark bool) (*memory, *Session, net.Conn) {
+	t.Helper()
 	cc, sc := socketPair(t)
 	done := make(chan *Session, 1)
 	go func() {
@@ -44,7 +52,7 @@ func rawClientConn(t *testing.T, ccfg, scfg *Config) (*memory, *Session, net.Con
 		done <- s
 	}()
 	c := ccfg.withDefaults()
-	mem, _, err := clientHandshake(cc, &c)
+	mem, _, err := clientHandshakeMarking(cc, &c, mark)
 	require.NoError(t, err)
 	server := <-done
 	require.NotNil(t, server)
@@ -104,7 +112,7 @@ func TestEventFloodDoesNotBlockClose(t *testing.T) {
 }
 
 // A server session refuses streams beyond Config.MaxStreams: the client
-// reads io.EOF on them, and the server counts them in Stats.
+// reads ErrStreamRefused on them, and the server counts them in Stats.
 func TestMaxStreams(t *testing.T) {
 	client, server := pairWith(t, nil, &Config{MaxStreams: 3})
 	var open []*Stream
@@ -119,7 +127,7 @@ func TestMaxStreams(t *testing.T) {
 		require.NoError(t, err)
 		require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
 		_, err = c.Read(make([]byte, 1))
-		require.ErrorIs(t, err, io.EOF, "a refused stream reads EOF")
+		require.ErrorIs(t, err, ErrStreamRefused)
 		require.NoError(t, c.Close())
 	}
 	require.EqualValues(t, 5, server.Stats().StreamsRefused)
@@ -347,4 +355,37 @@ func TestFallbackBackpressure(t *testing.T) {
 	require.True(t, bytes.Equal(data, got), "%d bytes of %d, or different ones", len(got), n)
 	require.NoError(t, server.Err())
 	require.LessOrEqual(t, server.shm.heapUnread.Load(), int64(0))
+}
+
+// A server tells a shmlink client that it refused a stream, in the second
+// byte of the close's status (docs/protocol.md section 11); a client
+// without the client's marker, as shmipc-go's and the Rust crate's, gets
+// the plain close {id, 0, 1} it knows.
+func TestRefusalReasonOnlyToMarkedClients(t *testing.T) {
+	for _, mark := range []bool{true, false} {
+		t.Run(fmt.Sprint("marked=", mark), func(t *testing.T) {
+			mem, server, cc := rawClientMarking(t, nil, &Config{AcceptBacklog: 1}, mark)
+			require.Equal(t, mark, server.closeReasons)
+			write := func(b []byte) error { _, err := cc.Write(b); return err }
+			announceRaw(t, mem, 2, write) // waits in the backlog
+			announceRaw(t, mem, 3, write) // refused
+			var closes []queue.Event
+			waitFor(t, "the refusal", func() bool {
+				for {
+					ev, ok, err := mem.recv.Pop()
+					require.NoError(t, err)
+					if !ok {
+						return len(closes) > 0
+					}
+					closes = append(closes, ev)
+				}
+			})
+			want := uint32(stateClosed)
+			if mark {
+				want |= reasonRefused << reasonShift
+			}
+			require.Equal(t, []queue.Event{{StreamID: 3, Status: want}}, closes)
+			require.EqualValues(t, 1, server.Stats().StreamsRefused)
+		})
+	}
 }

@@ -292,7 +292,7 @@ func (s *Session) dispatchLocked(m *memory, ev queue.Event, data []byte) error {
 		err = st.pushBytes(data)
 	}
 	if state == stateClosed && err == nil {
-		st.remoteClose()
+		st.remoteClose(s.isClient && ev.Status>>reasonShift&0xff == reasonRefused)
 	}
 	return err
 }
@@ -351,8 +351,17 @@ func (s *Session) route(m *memory, ev queue.Event) (*Stream, error) {
 			"remote", s.conn.RemoteAddr(), "stream", id, "backlog", backlog, "streams", streams,
 			"refused_total", s.ctr.streamsRefused.Load())
 	}
-	s.sendCloseLocked(m, id, false)
+	s.sendCloseLocked(m, id, false, s.refusalStatus())
 	return nil, freeChain(m, ev.Offset)
+}
+
+// refusalStatus is the status of the close of a stream the server
+// refuses: 1, with the reason for a client that reads it (section 11).
+func (s *Session) refusalStatus() uint32 {
+	if s.closeReasons {
+		return stateClosed | reasonRefused<<reasonShift
+	}
+	return stateClosed
 }
 
 // boundedAdd adds id to the set *ids, made on first use, which holds at
@@ -570,8 +579,11 @@ func (st *Stream) addHeap(n int) {
 // already queued is read. If our close was started too, the stream is
 // unrouted now: the peer may reuse its id as soon as it sees our close.
 // Only the receive loop, or a reader harvesting for it, calls it.
-func (st *Stream) remoteClose() {
+func (st *Stream) remoteClose(refused bool) {
 	st.mu.Lock()
+	if refused {
+		st.state |= stRefused
+	}
 	act, ok := st.transition(evRemoteClose, false)
 	st.mu.Unlock()
 	if ok {
@@ -657,8 +669,9 @@ func (st *Stream) stalled() bool {
 // the stream has ended, then runs f with shm.mu read-locked and st.mu held.
 // An error from f means the peer corrupted shared memory: it ends the
 // session, and whenReadable returns the session's error. Without bytes it
-// returns io.EOF once the peer closed, ErrStreamClosed after Close, a
-// deadline error, or the session's error. The caller holds rmu.
+// returns io.EOF once the peer closed, ErrStreamRefused once the server
+// refused the stream, ErrStreamClosed after Close, a deadline error, or
+// the session's error. The caller holds rmu.
 func (st *Stream) whenReadable(want int, f func(region *buffer.Region) error) error {
 	s := st.s
 	for {
@@ -672,6 +685,8 @@ func (st *Stream) whenReadable(want int, f func(region *buffer.Region) error) er
 		switch {
 		case state.has(stClosed):
 			return ErrStreamClosed
+		case state.has(stRefused):
+			return ErrStreamRefused
 		case state.has(stRemoteClosed) && buffered == 0:
 			return io.EOF
 		case ended:
@@ -843,8 +858,9 @@ func (st *Stream) recordWait(d time.Duration) {
 
 // Read reads up to len(p) bytes; see net.Conn. After the peer's Close it
 // returns the data still queued, then io.EOF. It returns ErrStreamClosed
-// after Close, a deadline error (Timeout() true) after the read deadline,
-// and the session's error if the session ended first.
+// after Close, ErrStreamRefused on a client's stream that the server
+// refused, a deadline error (Timeout() true) after the read deadline, and
+// the session's error if the session ended first.
 func (st *Stream) Read(p []byte) (n int, err error) {
 	st.startRead()
 	defer st.endRead()

@@ -34,10 +34,11 @@ const maxFallbackChunk = 64 << 10
 // the buffer region is exhausted Write waits for the peer to free slices
 // (backpressure), or, with Config.Fallback, sends the rest over the control
 // connection as FallbackData. p is not retained. It returns ErrStreamClosed
-// after Close, ErrWriteClosed after CloseWrite, a deadline error (Timeout()
-// true) after the write deadline, ErrQueueFull if the peer leaves the IO
-// queue full for Config.QueueFullTimeout, and the session's error if it
-// ended. Bytes counted in n were handed to the peer.
+// after Close, ErrWriteClosed after CloseWrite, ErrStreamRefused once the
+// server has refused the stream, a deadline error (Timeout() true) after
+// the write deadline, ErrQueueFull if the peer leaves the IO queue full
+// for Config.QueueFullTimeout, and the session's error if it ended. Bytes
+// counted in n were handed to the peer.
 func (st *Stream) Write(p []byte) (int, error) {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
@@ -65,6 +66,8 @@ func (st *Stream) writeCheck() error {
 		return ErrStreamClosed
 	case state.has(stWriteClosed):
 		return ErrWriteClosed
+	case state.has(stRefused):
+		return ErrStreamRefused
 	}
 	select {
 	case <-st.wdl.wait():
@@ -433,29 +436,36 @@ func (s *Session) putLocked(m *memory, ev queue.Event) error {
 }
 
 // sendCloseLocked tells the peer that stream id is closed: an event
-// {id, 0, 1}, or a StreamClose message when the queue is full or viaSocket
-// is set (the stream's earlier data went over the socket, which the event
-// could overtake). It reports whether the close went over the socket (or
-// could not be sent). Errors end the session and are not returned: a close
-// that cannot be sent means the session is gone anyway. The caller holds
-// shm.mu's read lock.
-func (s *Session) sendCloseLocked(m *memory, id uint32, viaSocket bool) (onSocket bool) {
-	if !viaSocket {
-		full, err := s.put(m, queue.Event{StreamID: id, Status: stateClosed})
-		if err != nil {
-			return true
-		}
-		if !full {
-			if m.send.MarkWorking() {
-				s.wake()
-			}
-			return false
-		}
-		s.ctr.queueFull.Add(1)
+// {id, 0, status}, status being 1 and maybe a reason (docs/protocol.md
+// section 11), or a StreamClose message when the queue is full or
+// viaSocket is set (the stream's earlier data went over the socket, which
+// the event could overtake); a StreamClose carries no reason. It reports
+// whether the close went over the socket (or could not be sent). Errors
+// end the session and are not returned: a close that cannot be sent means
+// the session is gone anyway. The caller holds shm.mu's read lock.
+func (s *Session) sendCloseLocked(m *memory, id uint32, viaSocket bool, status uint32) (onSocket bool) {
+	if viaSocket {
+		return s.sendStreamClose(id)
 	}
-	// A Polling first: the peer may handle StreamClose without harvesting
-	// its receive queue (the Rust crate does), and events of this stream
-	// may still be in it.
+	full, err := s.put(m, queue.Event{StreamID: id, Status: status})
+	if err != nil {
+		return true
+	}
+	if !full {
+		if m.send.MarkWorking() {
+			s.wake()
+		}
+		return false
+	}
+	s.ctr.queueFull.Add(1)
+	return s.sendStreamClose(id)
+}
+
+// sendStreamClose sends the close of stream id as a StreamClose message,
+// and reports true. A Polling goes first: the peer may handle StreamClose
+// without harvesting its receive queue (the Rust crate does), and events
+// of this stream may still be in it.
+func (s *Session) sendStreamClose(id uint32) bool {
 	var msg [24]byte
 	b := append(msg[:0], s.ctl.pollMsg...)
 	b = wire.AppendStreamClose(b, s.version, id)

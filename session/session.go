@@ -44,6 +44,9 @@ type Session struct {
 	// marker.go): OpenStream announces a stream at once, so that the
 	// server's AcceptStream returns it before any byte is written.
 	announces bool
+	// closeReasons is set on a server whose client is shmlink (its
+	// marker, marker.go): a refused stream's close says so (section 11).
+	closeReasons bool
 
 	dead        chan struct{} // closed when the session ends, for any reason
 	closeOnce   sync.Once     // runs fail's ending once
@@ -174,6 +177,7 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 	s.rx.init(s)
 	s.shm.init(mem, &c)
 	s.announces = isClient && mem.features&featAnnounce != 0
+	s.closeReasons = !isClient && mem.features&featCloseReason != 0
 	c.Logger.Debug("shmlink: session started", "client", isClient, "version", version,
 		"remote", conn.RemoteAddr(), "buffer", len(mem.bufMem), "queue", len(mem.queueMem))
 	s.startKeepAlive()
@@ -596,7 +600,8 @@ func (s *Session) idleExpired() {
 // (right away if it has none): for a session dialed for a single stream,
 // or a server session whose listener closed. A server session also
 // refuses new streams from then on, as a closed listener's backlog would
-// (the client reads io.EOF on them; Stats.StreamsRefused counts them), and
+// (a shmlink client reads ErrStreamRefused on them, another client io.EOF;
+// Stats.StreamsRefused counts them), and
 // closes the streams AcceptStream has not returned yet.
 func (s *Session) CloseWhenIdle() {
 	s.mu.Lock()
@@ -607,6 +612,9 @@ func (s *Session) CloseWhenIdle() {
 	}
 	s.mu.Unlock()
 	for _, st := range pending {
+		st.mu.Lock()
+		st.state |= stRefused // the application never had it
+		st.mu.Unlock()
 		st.Close()
 	}
 	s.checkIdle(false)

@@ -87,6 +87,11 @@ const (
 	// stRemoteClosed: the peer's close arrived. Reads end with io.EOF once
 	// the data before it is read.
 	stRemoteClosed
+	// stRefused: on a client, the peer's close said that the server
+	// refused the stream (docs/protocol.md section 11): reads and writes
+	// fail with ErrStreamRefused. On a server, the stream is refused: its
+	// close says so.
+	stRefused
 )
 
 func (f streamState) has(flags streamState) bool { return f&flags == flags }
@@ -304,10 +309,14 @@ func (st *Stream) sendClose(viaSocket bool) {
 	if st.is(stRemoteClosed) {
 		s.unroute(st, false)
 	}
+	status := uint32(stateClosed)
+	if !s.isClient && st.is(stRefused) {
+		status = s.refusalStatus()
+	}
 	onSocket := true
 	s.withMem(func(m *memory) error {
 		if s.Err() == nil {
-			onSocket = s.sendCloseLocked(m, st.id, viaSocket)
+			onSocket = s.sendCloseLocked(m, st.id, viaSocket, status)
 		}
 		return nil
 	})
