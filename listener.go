@@ -296,9 +296,9 @@ func (l *Listener) closedError(op string, err error) error {
 // Close stops listening, as a net.Listener's Close does, and nothing
 // more: Accept returns an error satisfying errors.Is(err, net.ErrClosed),
 // streams already accepted live on, and each session ends when its last
-// stream does. New streams on those sessions are refused (the client
-// reads io.EOF on them), and streams that Accept has not returned are
-// closed. Close returns the error of closing the socket; later calls
+// stream does. New streams on those sessions, and streams that Accept has
+// not returned, are refused: a shmlink client gets ErrStreamRefused on
+// them, a client of another implementation reads io.EOF. Close returns the error of closing the socket; later calls
 // return an error satisfying errors.Is(err, net.ErrClosed). Shutdown waits
 // for the sessions to end; CloseSessions ends them at once.
 func (l *Listener) Close() error {

@@ -129,13 +129,15 @@ type Config struct {
 	MaxMessageSize int
 
 	// AcceptBacklog is the number of streams a server session queues for
-	// AcceptStream. Default 4096.
+	// AcceptStream; beyond it new streams are refused (see MaxStreams).
+	// Default 4096.
 	AcceptBacklog int
 
 	// MaxStreams is the most streams a server session keeps at once: open
 	// ones, and closed ones waiting for the client's close. A stream the
 	// client opens beyond it, or beyond AcceptBacklog, is refused: closed at
-	// once, so the client reads io.EOF (docs/protocol.md section 13).
+	// once, so a shmlink client gets ErrStreamRefused, another client
+	// io.EOF (docs/protocol.md sections 11 and 13).
 	// Default 16384.
 	MaxStreams int
 
