@@ -1,7 +1,6 @@
 package shmlink_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -65,13 +64,7 @@ func TestDialerPool(t *testing.T) {
 		require.True(t, n >= 6 && n <= 7, "streams spread evenly, got %d on %p", n, s)
 	}
 	for i, c := range conns {
-		msg := fmt.Sprint("stream ", i)
-		_, err := c.Write([]byte(msg))
-		require.NoError(t, err)
-		got := make([]byte, len(msg))
-		_, err = io.ReadFull(c, got)
-		require.NoError(t, err)
-		require.Equal(t, msg, string(got))
+		requireEcho(t, c, fmt.Sprint("stream ", i))
 	}
 	for _, c := range conns {
 		require.NoError(t, c.Close())
@@ -214,13 +207,7 @@ func TestDialerBurstWhileDialing(t *testing.T) {
 				}
 			}
 			for i, c := range conns {
-				msg := fmt.Sprint("stream ", i)
-				_, err := c.Write([]byte(msg))
-				require.NoError(t, err)
-				got := make([]byte, len(msg))
-				_, err = io.ReadFull(c, got)
-				require.NoError(t, err)
-				require.Equal(t, msg, string(got))
+				requireEcho(t, c, fmt.Sprint("stream ", i))
 				require.NoError(t, c.Close())
 			}
 			require.Zero(t, ln.Stats().StreamsRefused)
@@ -235,7 +222,7 @@ func TestDialerBurstWhileDialing(t *testing.T) {
 func TestDialerGrowFailureKeepsSessions(t *testing.T) {
 	ln, cfg := listen(t, "unix")
 	defer serveEcho(ln, 8)()
-	var logged syncBuffer
+	var logged logBuffer
 	lcfg := *cfg
 	lcfg.Logger = slog.New(slog.NewTextHandler(&logged, nil))
 	for _, retry := range []time.Duration{time.Hour, time.Nanosecond} {
@@ -270,22 +257,4 @@ func TestDialerGrowFailureKeepsSessions(t *testing.T) {
 			require.Contains(t, logged.String(), "test: dial refused")
 		})
 	}
-}
-
-// syncBuffer is a bytes.Buffer safe for concurrent writes and reads.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
