@@ -576,13 +576,14 @@ func (st *Stream) addHeap(n int) {
 }
 
 // remoteClose records the peer's close: reads end with io.EOF once the data
-// already queued is read. If our close was started too, the stream is
-// unrouted now: the peer may reuse its id as soon as it sees our close.
+// already queued is read, or at once with ErrStreamRefused if refused (the
+// close's reason, on a client). If our close was started too, the stream
+// is unrouted now: the peer may reuse its id as soon as it sees our close.
 // Only the receive loop, or a reader harvesting for it, calls it.
 func (st *Stream) remoteClose(refused bool) {
 	st.mu.Lock()
 	if refused {
-		st.state |= stRefused
+		st.transition(evRefused, false)
 	}
 	act, ok := st.transition(evRemoteClose, false)
 	st.mu.Unlock()

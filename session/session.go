@@ -613,7 +613,7 @@ func (s *Session) CloseWhenIdle() {
 	s.mu.Unlock()
 	for _, st := range pending {
 		st.mu.Lock()
-		st.state |= stRefused // the application never had it
+		st.transition(evRefused, false) // the application never had it
 		st.mu.Unlock()
 		st.Close()
 	}

@@ -104,6 +104,7 @@ const (
 	evCloseWrite                     // CloseWrite flushed and starts our close
 	evCloseSent                      // our close went out (on the socket if onSocket)
 	evRemoteClose                    // the peer's close arrived
+	evRefused                        // the server refuses the stream (stRefused)
 )
 
 // streamActions is what a transition leaves for its caller to do once
@@ -152,6 +153,8 @@ func (st *Stream) transition(ev streamEvent, onSocket bool) (act streamActions, 
 		st.state |= stRemoteClosed
 		act.unroute = old.has(stWriteClosed)
 		act.reuseID = old.has(stCloseSent) && !old.has(stCloseOnSocket)
+	case evRefused:
+		st.state |= stRefused
 	}
 	return act, true
 }
