@@ -298,9 +298,10 @@ func (l *Listener) closedError(op string, err error) error {
 // streams already accepted live on, and each session ends when its last
 // stream does. New streams on those sessions, and streams that Accept has
 // not returned, are refused: a shmlink client gets ErrStreamRefused on
-// them, a client of another implementation reads io.EOF. Close returns the error of closing the socket; later calls
-// return an error satisfying errors.Is(err, net.ErrClosed). Shutdown waits
-// for the sessions to end; CloseSessions ends them at once.
+// them, a client of another implementation reads io.EOF. Close returns
+// the error of closing the socket; later calls return an error satisfying
+// errors.Is(err, net.ErrClosed). Shutdown waits for the sessions to end;
+// CloseSessions ends them at once.
 func (l *Listener) Close() error {
 	if l.q != nil {
 		if err := l.q.close(); errors.Is(err, net.ErrClosed) {
@@ -505,7 +506,7 @@ func (l *Listener) serve(conn net.Conn) {
 		case l.accepts <- st:
 			continue
 		case <-l.ctx.Done():
-			st.Close()
+			st.Refuse() // Accept never returned it
 		}
 		break
 	}

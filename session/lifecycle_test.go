@@ -381,3 +381,34 @@ func TestStats(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, sum(server.Stats().SlicesInUse))
 }
+
+// Refuse on a server closes an accepted stream as refused: the client's
+// reads and writes fail with ErrStreamRefused, and what it sent is
+// dropped. On a client it is Close: the server reads io.EOF.
+func TestRefuse(t *testing.T) {
+	client, server := pair(t, nil)
+	c, err := client.OpenStream(t.Context())
+	require.NoError(t, err)
+	_, err = c.Write([]byte("unwanted"))
+	require.NoError(t, err)
+	s := accept(t, server)
+	require.NoError(t, s.Refuse())
+	_, err = c.Read(make([]byte, 1))
+	require.ErrorIs(t, err, ErrStreamRefused)
+	_, err = c.Write([]byte("more"))
+	require.ErrorIs(t, err, ErrStreamRefused)
+	require.ErrorIs(t, s.Refuse(), ErrStreamClosed, "a second Refuse is a second Close")
+	require.NoError(t, c.Close())
+
+	c, err = client.OpenStream(t.Context())
+	require.NoError(t, err)
+	s = accept(t, server)
+	require.NoError(t, c.Refuse())
+	_, err = s.Read(make([]byte, 1))
+	require.ErrorIs(t, err, io.EOF)
+	require.NoError(t, s.Close())
+	eventually(t, func() bool {
+		return client.NumStreams() == 0 && server.NumStreams() == 0 &&
+			sum(client.Stats().SlicesInUse) == 0
+	}, "nothing left behind")
+}

@@ -612,10 +612,7 @@ func (s *Session) CloseWhenIdle() {
 	}
 	s.mu.Unlock()
 	for _, st := range pending {
-		st.mu.Lock()
-		st.transition(evRefused, false) // the application never had it
-		st.mu.Unlock()
-		st.Close()
+		st.Refuse() // the application never had it
 	}
 	s.checkIdle(false)
 }

@@ -270,6 +270,23 @@ func (st *Stream) Close() error {
 	return nil
 }
 
+// Refuse closes a stream that a server session accepted but will not
+// serve, as the session refuses the streams past its accept backlog: a
+// shmlink client's reads and writes on it fail with ErrStreamRefused, a
+// client of another implementation reads io.EOF (docs/protocol.md section
+// 11). What the client sent and was not read is dropped. It is meant for a
+// stream whose data the application has not used, for instance to shed
+// load. On a client session, and after CloseWrite, it is Close. It returns
+// Close's results.
+func (st *Stream) Refuse() error {
+	if !st.s.isClient {
+		st.mu.Lock()
+		st.transition(evRefused, false)
+		st.mu.Unlock()
+	}
+	return st.Close()
+}
+
 // CloseWrite half-closes the stream: bytes reserved and not yet flushed are
 // sent, then the peer reads io.EOF after everything written, while this
 // side goes on reading what the peer sends. Later writes fail with
