@@ -161,13 +161,19 @@ type Dialer struct {
 	quic   *quicDialer             // the "quic" network's side, from its first dial
 	pools  map[string]*sessionPool // by network + " " + address
 	closed bool
-	// dialSession dials a session for the pool, and growRetry replaces
-	// growRetryAfter when not zero; tests set them to hold or fail a dial
+	// dialSession dials a session for the pool, growRetry replaces
+	// growRetryAfter when not zero, and onWait runs when a dial starts
+	// waiting for another's; tests set them to hold or fail a dial
 	// (export_test.go). nil means the package's dialSession.
 	dialSession func(ctx context.Context, cfg *Config, network, address string) (*session.Session, error)
 	growRetry   time.Duration
+	onWait      func()
 	live        map[*session.Session]struct{} // every session until it ends
 	ended       Stats                         // the counters of the sessions that ended
+	// opening counts, per session, the dials that picked it and have not
+	// yet opened their stream: they count in its load (leastLoaded), so
+	// that concurrent dials see each other's picks.
+	opening map[*session.Session]int
 }
 
 // sessionPool is a Dialer's sessions to one address.
@@ -208,8 +214,9 @@ func (c *dialCall) wait(ctx context.Context) error {
 
 // leastLoaded drops the sessions that ended, sets those draining for a hot
 // restart aside, and returns the one with the fewest streams of the others
-// and that number, or nil when none is left.
-func (p *sessionPool) leastLoaded() (*session.Session, int) {
+// (opening counts the streams being opened) and that number, or nil when
+// none is left.
+func (p *sessionPool) leastLoaded(opening map[*session.Session]int) (*session.Session, int) {
 	p.pruneDraining()
 	live := p.sessions[:0]
 	var best *session.Session
@@ -222,7 +229,7 @@ func (p *sessionPool) leastLoaded() (*session.Session, int) {
 			continue
 		}
 		live = append(live, s)
-		if n := s.NumStreams(); best == nil || n < load {
+		if n := s.NumStreams() + opening[s]; best == nil || n < load {
 			best, load = s, n
 		}
 	}
@@ -296,7 +303,9 @@ func (d *Dialer) DialStream(ctx context.Context, network, address string) (*Stre
 			return nil, err
 		}
 		var st *Stream
-		if st, err = s.OpenStream(ctx); err == nil {
+		st, err = s.OpenStream(ctx)
+		d.opened(s)
+		if err == nil {
 			return st, nil
 		}
 		switch {
@@ -318,7 +327,9 @@ func (d *Dialer) DialStream(ctx context.Context, network, address string) (*Stre
 }
 
 // pick returns the session for the next stream to key, dialing one when
-// the pool has none or all its sessions are loaded and it may grow.
+// the pool has none or all its sessions are loaded and it may grow. The
+// session counts as opening a stream (Dialer.opening) until the caller
+// calls opened.
 func (d *Dialer) pick(ctx context.Context, key, network, address string) (*session.Session, error) {
 	maxSessions := cmp.Or(d.MaxSessions, defaultMaxSessions)
 	perSession := cmp.Or(d.StreamsPerSession, defaultStreamsPerSession)
@@ -336,31 +347,33 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 			p = &sessionPool{}
 			d.pools[key] = p
 		}
-		best, load := p.leastLoaded()
+		best, load := p.leastLoaded(d.opening)
 		if best != nil && (load < perSession || len(p.sessions) >= maxSessions) {
-			d.mu.Unlock()
-			return best, nil
+			return d.openingLocked(best), nil
 		}
 		if call := p.dial; call != nil {
 			if best != nil && load < dialingLoadFactor*perSession {
-				d.mu.Unlock()
-				return best, nil
+				return d.openingLocked(best), nil
 			}
 			// No session yet, or the least loaded one is full enough
 			// while another is dialed: wait for that dial.
+			onWait := d.onWait
 			d.mu.Unlock()
+			if onWait != nil {
+				onWait()
+			}
 			err := call.wait(ctx)
 			switch {
 			case err == nil:
 				continue // it succeeded, or failed for its own context
 			case best != nil && ctx.Err() == nil:
-				return best, nil // the pool could not grow: keep to what it has
+				d.mu.Lock()
+				return d.openingLocked(best), nil // the pool could not grow: keep to what it has
 			}
 			return nil, err
 		}
 		if best != nil && time.Now().Before(p.growAfter) {
-			d.mu.Unlock()
-			return best, nil // the last dial to grow the pool failed just now
+			return d.openingLocked(best), nil // the last dial to grow the pool failed just now
 		}
 		call := &dialCall{done: make(chan struct{})}
 		p.dial = call
@@ -391,6 +404,11 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 			delete(d.pools, key)
 		}
 		call.err = err
+		if err == nil {
+			d.addOpening(s) // before the waiters see s
+		} else if growFailed {
+			d.addOpening(best)
+		}
 		d.mu.Unlock()
 		close(call.done)
 		if err != nil {
@@ -405,6 +423,32 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 		}
 		return s, nil
 	}
+}
+
+// openingLocked counts a stream being opened on s (addOpening), unlocks
+// d.mu and returns s. The caller holds d.mu.
+func (d *Dialer) openingLocked(s *session.Session) *session.Session {
+	d.addOpening(s)
+	d.mu.Unlock()
+	return s
+}
+
+// addOpening counts a stream being opened on s. The caller holds d.mu.
+func (d *Dialer) addOpening(s *session.Session) {
+	if d.opening == nil {
+		d.opening = make(map[*session.Session]int)
+	}
+	d.opening[s]++
+}
+
+// opened ends the count pick started for a stream opened on s, or that
+// failed to open.
+func (d *Dialer) opened(s *session.Session) {
+	d.mu.Lock()
+	if d.opening[s]--; d.opening[s] <= 0 {
+		delete(d.opening, s)
+	}
+	d.mu.Unlock()
 }
 
 // logGrowFailed logs, to Config.Logger, a failed dial of a session that
@@ -476,7 +520,7 @@ func (d *Dialer) NumSessions() int {
 	defer d.mu.Unlock()
 	n := 0
 	for key, p := range d.pools {
-		p.leastLoaded()
+		p.leastLoaded(d.opening)
 		if len(p.sessions) == 0 && len(p.draining) == 0 && p.dial == nil {
 			delete(d.pools, key)
 		}

@@ -125,24 +125,22 @@ func TestDialerConfigErrors(t *testing.T) {
 	}
 }
 
-// While a Dialer dials a new session, a burst of dials spreads over the
-// loaded session only up to twice StreamsPerSession; the rest wait for
-// the new session, or, when its dial fails, take the loaded one after all.
-// Without the bound the whole burst lands on one session, and past its
-// server's accept backlog the server refuses streams that the dials
-// returned.
+// While a Dialer dials a new session, dials keep going to the loaded
+// session only up to twice StreamsPerSession; later ones wait for the new
+// session, or, when its dial fails, take the loaded one after all. Without
+// the bound a burst lands on one session, and past its server's accept
+// backlog the server refuses streams that the dials returned.
 func TestDialerBurstWhileDialing(t *testing.T) {
 	for _, fail := range []bool{false, true} {
 		t.Run(fmt.Sprint("dial fails=", fail), func(t *testing.T) {
 			ln, cfg := listen(t, "unix")
 			defer serveEcho(ln, 32)()
-			// The burst: perSession streams fill the first session to twice
-			// perSession; the other 2*perSession (one dialing) fill the
-			// second session up to the first's load.
-			const perSession, burst = 4, 3 * 4
+			const perSession, waiters = 4, 3
 			d := &shmlink.Dialer{Config: cfg, MaxSessions: 2, StreamsPerSession: perSession}
 			defer d.Close()
 			dialing, release := make(chan struct{}), make(chan struct{})
+			var releaseOnce sync.Once
+			defer releaseOnce.Do(func() { close(release) }) // a failed test leaves no dial blocked
 			calls := 0
 			shmlink.SetDialHook(d, time.Hour, func(real shmlink.SessionDialer) shmlink.SessionDialer {
 				return func(ctx context.Context, cfg *shmlink.Config, network, address string) (*session.Session, error) {
@@ -158,42 +156,58 @@ func TestDialerBurstWhileDialing(t *testing.T) {
 					return real(ctx, cfg, network, address)
 				}
 			})
+			waiting := make(chan struct{}, waiters)
+			shmlink.SetWaitHook(d, func() { waiting <- struct{}{} })
+			addr := ln.Addr().String()
+			ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second) // a dial that should not wait fails
+			defer cancel()
+			dial := func() (*shmlink.Stream, error) { return d.DialStream(ctx, "unix", addr) }
+
 			var conns []*shmlink.Stream
 			for range perSession {
-				c, err := d.DialStream(t.Context(), "unix", ln.Addr().String())
+				c, err := dial()
 				require.NoError(t, err)
 				conns = append(conns, c)
 			}
 			first := conns[0].Session()
 
-			results := make(chan *shmlink.Stream, burst)
-			errs := make(chan error, burst)
-			for range burst {
+			// One dial starts the second session and is held; meanwhile the
+			// first session takes streams up to twice perSession.
+			results := make(chan *shmlink.Stream, 1+waiters)
+			errs := make(chan error, 1+waiters)
+			async := func() {
 				go func() {
-					c, err := d.DialStream(t.Context(), "unix", ln.Addr().String())
-					if err != nil {
+					if c, err := dial(); err != nil {
 						errs <- err
-						return
+					} else {
+						results <- c
 					}
-					results <- c
 				}()
 			}
+			async()
 			<-dialing
-			// While the second session is dialed, the first takes streams up
-			// to twice perSession; the other dials (one of them dialing)
-			// cannot return before release.
 			for range perSession {
+				c, err := dial()
+				require.NoError(t, err)
+				require.Same(t, first, c.Session())
+				conns = append(conns, c)
+			}
+			require.Equal(t, 2*perSession, first.NumStreams())
+			// The next dials wait for the second session.
+			for range waiters {
+				async()
+			}
+			for range waiters {
 				select {
+				case <-waiting:
 				case c := <-results:
-					require.Same(t, first, c.Session())
-					conns = append(conns, c)
+					t.Fatalf("a dial went to %p while the first session was full", c.Session())
 				case err := <-errs:
 					t.Fatal(err)
 				}
 			}
-			require.Equal(t, 2*perSession, first.NumStreams())
-			close(release)
-			for range burst - perSession {
+			releaseOnce.Do(func() { close(release) })
+			for range 1 + waiters {
 				select {
 				case c := <-results:
 					if fail {

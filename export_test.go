@@ -17,3 +17,9 @@ func SetDialHook(d *Dialer, retry time.Duration, hook func(real SessionDialer) S
 	d.dialSession = hook(dialSession)
 	d.growRetry = retry
 }
+
+// SetWaitHook makes d call onWait whenever a Dial starts waiting for
+// another Dial's new session. Call it before d's first Dial.
+func SetWaitHook(d *Dialer, onWait func()) {
+	d.onWait = onWait
+}
