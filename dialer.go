@@ -398,7 +398,7 @@ func (d *Dialer) pick(ctx context.Context, key, network, address string) (*sessi
 		}
 		growFailed := best != nil && err != nil && !d.closed && ctx.Err() == nil
 		if growFailed {
-			p.growAfter = time.Now().Add(cmp.Or(d.growRetry, growRetryAfter))
+			p.growAfter = time.Now().Add(d.growRetryDelay())
 		}
 		if len(p.sessions) == 0 && len(p.draining) == 0 && d.pools[key] == p {
 			delete(d.pools, key)
@@ -458,7 +458,13 @@ func (d *Dialer) logGrowFailed(network, address string, err error) {
 		return
 	}
 	d.Config.Logger.Warn("shmlink: dialer: could not add a session; streams stay on the sessions it has",
-		"network", network, "address", address, "retry_after", cmp.Or(d.growRetry, growRetryAfter), "err", err)
+		"network", network, "address", address, "retry_after", d.growRetryDelay(), "err", err)
+}
+
+// growRetryDelay is how long after a failed dial to grow a pool the pool
+// tries again: growRetryAfter, or the tests' growRetry.
+func (d *Dialer) growRetryDelay() time.Duration {
+	return cmp.Or(d.growRetry, growRetryAfter)
 }
 
 // Close ends every session of the Dialer, with all their streams, and makes

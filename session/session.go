@@ -601,8 +601,8 @@ func (s *Session) idleExpired() {
 // or a server session whose listener closed. A server session also
 // refuses new streams from then on, as a closed listener's backlog would
 // (a shmlink client reads ErrStreamRefused on them, another client io.EOF;
-// Stats.StreamsRefused counts them), and
-// closes the streams AcceptStream has not returned yet.
+// Stats.StreamsRefused counts them), and refuses the streams AcceptStream
+// has not returned yet.
 func (s *Session) CloseWhenIdle() {
 	s.mu.Lock()
 	s.idle.closeWhenIdle = true
