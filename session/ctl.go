@@ -47,6 +47,7 @@ type ctlWriter struct {
 	rawN    int
 	rawErr  error
 	rawFunc func(fd uintptr) bool
+	notSock bool // the descriptor is not a socket: write(2) it
 }
 
 func newCtlWriter(conn net.Conn, version uint8, timeout time.Duration) *ctlWriter {
@@ -64,20 +65,36 @@ func newCtlWriter(conn net.Conn, version uint8, timeout time.Duration) *ctlWrite
 }
 
 // writeRaw writes rawBuf on fd until it is written or the socket would
-// block, never waiting: it is the function writeNow passes to RawConn.
+// block, never waiting: it is the function writeNow passes to RawConn. It
+// sends with sendDontWait, which does not wake the runtime's monitor
+// thread (rawio.go, docs/protocol.md section 12.4); a descriptor that is
+// not a socket is written with write(2).
 func (c *ctlWriter) writeRaw(fd uintptr) bool {
 	for c.rawN < len(c.rawBuf) {
-		k, err := unix.Write(int(fd), c.rawBuf[c.rawN:])
-		if err == unix.EINTR {
+		var k int
+		var errno unix.Errno
+		if c.notSock {
+			n, err := unix.Write(int(fd), c.rawBuf[c.rawN:])
+			k, errno = n, errnoOf(err)
+		} else {
+			k, errno = sendDontWait(fd, c.rawBuf[c.rawN:])
+		}
+		switch errno {
+		case 0:
+			c.rawN += k
 			continue
-		}
-		if err != nil {
-			if err != unix.EAGAIN {
-				c.rawErr = os.NewSyscallError("write", err)
+		case unix.EINTR:
+			continue
+		case unix.EAGAIN:
+			return true // the rest goes to a flusher
+		case unix.ENOTSOCK:
+			if !c.notSock {
+				c.notSock = true
+				continue
 			}
-			break
 		}
-		c.rawN += k
+		c.rawErr = os.NewSyscallError("write", errno)
+		return true
 	}
 	return true // done: never wait for the socket here
 }

@@ -90,7 +90,7 @@ type ctlIn struct {
 }
 
 func (in *ctlIn) init(s *Session) {
-	in.r = bufio.NewReaderSize(s.conn, 64<<10)
+	in.r = bufio.NewReaderSize(newCtlReader(s.conn), 64<<10)
 	in.handBackAfter = serverHandBack
 	if s.isClient {
 		in.handBackAfter = clientHandBack

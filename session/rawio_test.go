@@ -1,0 +1,161 @@
+package session
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
+)
+
+// setBlocking switches c's descriptor to blocking mode, as a dup of it
+// passed to os.File.Fd would (the flag belongs to the open file, which
+// the dup shares).
+func setBlocking(t *testing.T, c syscall.Conn) {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	require.NoError(t, err)
+	var serr error
+	require.NoError(t, rc.Control(func(fd uintptr) { serr = unix.SetNonblock(int(fd), false) }))
+	require.NoError(t, serr)
+}
+
+// readWithin runs r.Read(p) and fails the test if it has not returned
+// within limit: a read that blocks in the kernel would never return.
+func readWithin(t *testing.T, r io.Reader, p []byte, limit time.Duration) (int, error) {
+	t.Helper()
+	type result struct {
+		n   int
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		n, err := r.Read(p)
+		done <- result{n, err}
+	}()
+	select {
+	case res := <-done:
+		return res.n, res.err
+	case <-time.After(limit):
+		t.Fatalf("Read did not return within %v", limit)
+		return 0, nil
+	}
+}
+
+// ctlReader reads what the socket has, reports the peer's end as io.EOF,
+// and its errors are conn.Read's: a deadline is os.ErrDeadlineExceeded in
+// a "read" *net.OpError, and a closed connection net.ErrClosed
+// (docs/protocol.md section 12.4).
+func TestCtlReader(t *testing.T) {
+	a, b := socketPair(t)
+	defer a.Close()
+	r := newCtlReader(a)
+	require.IsType(t, &ctlReader{}, r)
+
+	_, err := b.Write([]byte("hello"))
+	require.NoError(t, err)
+	p := make([]byte, 3)
+	n, err := r.Read(p)
+	require.NoError(t, err)
+	require.Equal(t, "hel", string(p[:n]))
+	n, err = r.Read(p)
+	require.NoError(t, err)
+	require.Equal(t, "lo", string(p[:n]))
+
+	// A read waits in the poller for the next bytes.
+	go b.Write([]byte("x"))
+	n, err = readWithin(t, r, p, 10*time.Second)
+	require.NoError(t, err)
+	require.Equal(t, "x", string(p[:n]))
+
+	require.NoError(t, a.SetReadDeadline(time.Now().Add(10*time.Millisecond)))
+	_, err = readWithin(t, r, p, 10*time.Second)
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	var oe *net.OpError
+	require.ErrorAs(t, err, &oe)
+	require.Equal(t, "read", oe.Op)
+	require.NoError(t, a.SetReadDeadline(time.Time{}))
+
+	b.Close()
+	_, err = readWithin(t, r, p, 10*time.Second)
+	require.ErrorIs(t, err, io.EOF)
+
+	a.Close()
+	_, err = r.Read(p)
+	require.ErrorIs(t, err, net.ErrClosed)
+}
+
+// A socket switched to blocking mode behind the session's back still never
+// blocks a thread in the kernel: ctlReader's reads honour the deadline,
+// and a write to a full socket returns EAGAIN (docs/protocol.md section
+// 12.4).
+func TestCtlReaderBlockingSocket(t *testing.T) {
+	a, b := socketPair(t)
+	defer a.Close()
+	defer b.Close()
+	setBlocking(t, a)
+	r := newCtlReader(a)
+	p := make([]byte, 16)
+	require.NoError(t, a.SetReadDeadline(time.Now().Add(20*time.Millisecond)))
+	_, err := readWithin(t, r, p, 10*time.Second)
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+
+	rc, err := a.SyscallConn()
+	require.NoError(t, err)
+	chunk := make([]byte, 64<<10)
+	sent, full := 0, false
+	require.NoError(t, rc.Control(func(fd uintptr) {
+		for range 1 << 12 { // the kernel's buffer is far smaller than 256 MB
+			n, errno := sendDontWait(fd, chunk)
+			if errno == unix.EAGAIN {
+				full = true
+				return
+			}
+			require.Zero(t, errno)
+			sent += n
+		}
+	}))
+	require.True(t, full, "sent %d bytes without EAGAIN", sent)
+	require.Positive(t, sent)
+}
+
+// pipeConn is a net.Conn over a pipe: a descriptor that is not a socket.
+type pipeConn struct {
+	*os.File
+}
+
+func (pipeConn) LocalAddr() net.Addr  { return nil }
+func (pipeConn) RemoteAddr() net.Addr { return nil }
+
+// On a descriptor that is not a socket (ENOTSOCK), ctlReader and the
+// Polling writer fall back to read(2) and write(2).
+func TestCtlRawNotSocket(t *testing.T) {
+	pr, pw, err := os.Pipe()
+	require.NoError(t, err)
+	defer pr.Close()
+	defer pw.Close()
+
+	w := newCtlWriter(pipeConn{pw}, 3, time.Second)
+	require.NotNil(t, w.raw)
+	w.rawBuf, w.rawN, w.rawErr = []byte("polling!"), 0, nil
+	require.NoError(t, w.raw.Write(w.rawFunc))
+	require.NoError(t, w.rawErr)
+	require.Equal(t, 8, w.rawN)
+	require.True(t, w.notSock)
+
+	r := newCtlReader(pipeConn{pr})
+	p := make([]byte, 16)
+	n, err := readWithin(t, r, p, 10*time.Second)
+	require.NoError(t, err)
+	require.Equal(t, "polling!", string(p[:n]))
+	require.True(t, r.(*ctlReader).notSock)
+
+	pw.Close()
+	_, err = readWithin(t, r, p, 10*time.Second)
+	require.True(t, errors.Is(err, io.EOF), "got %v", err)
+}
