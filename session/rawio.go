@@ -27,7 +27,9 @@ import (
 // MSG_DONTWAIT, so that they cannot block even if somebody switched the
 // socket to blocking mode (through a dup of its descriptor, which shares
 // the flag). Waiting for the socket still goes through the runtime's
-// network poller (syscall.RawConn), with the connection's deadlines.
+// network poller (syscall.RawConn), with the connection's deadlines. Reads
+// take this path on a *net.UnixConn or *net.TCPConn only; writes of a
+// Polling on any conn that has a descriptor (syscall.Conn), as before.
 
 // recvDontWait receives into b from the socket fd without blocking and
 // without telling the scheduler: a raw recvfrom(2) with MSG_DONTWAIT. It
@@ -54,13 +56,10 @@ func sendDontWait(fd uintptr, b []byte) (int, unix.Errno) {
 // it in the network poller. Its errors are those of conn.Read: io.EOF at
 // the peer's end, a *net.OpError ("read") wrapping os.ErrDeadlineExceeded
 // at the read deadline (which kicks use), net.ErrClosed after Close, or
-// the system call's error. A descriptor that is not a socket (ENOTSOCK)
-// is read with read(2), also without blocking. One goroutine reads at a
-// time (ctlIn.tok).
+// the system call's error. One goroutine reads at a time (ctlIn.tok).
 type ctlReader struct {
 	rc      syscall.RawConn
-	network string // for errors: "unix", "tcp" or ""
-	notSock bool   // the descriptor is not a socket: read(2) it
+	network string // for errors: "unix" or "tcp"
 
 	// The state of one Read, made once so that a read allocates nothing.
 	p   []byte
@@ -69,24 +68,26 @@ type ctlReader struct {
 	fn  func(fd uintptr) bool
 }
 
-// newCtlReader returns conn itself if it has no raw descriptor, else a
-// ctlReader for it.
+// newCtlReader returns a ctlReader for a *net.UnixConn or *net.TCPConn,
+// whose Read is exactly a read of its socket, and conn itself for any
+// other net.Conn: a wrapper may hold bytes of its own (a peeked prefix, a
+// TLS record) that a read of the descriptor would skip.
 func newCtlReader(conn net.Conn) io.Reader {
-	sc, ok := conn.(syscall.Conn)
-	if !ok {
+	var network string
+	var sc syscall.Conn
+	switch c := conn.(type) {
+	case *net.UnixConn:
+		network, sc = "unix", c
+	case *net.TCPConn:
+		network, sc = "tcp", c
+	default:
 		return conn
 	}
 	rc, err := sc.SyscallConn()
 	if err != nil {
 		return conn
 	}
-	r := &ctlReader{rc: rc}
-	switch conn.(type) {
-	case *net.UnixConn:
-		r.network = "unix"
-	case *net.TCPConn:
-		r.network = "tcp"
-	}
+	r := &ctlReader{rc: rc, network: network}
 	r.fn = r.readFD
 	return r
 }
@@ -114,14 +115,7 @@ func (r *ctlReader) Read(p []byte) (int, error) {
 // wait for the socket in the poller, true when the read is done.
 func (r *ctlReader) readFD(fd uintptr) bool {
 	for {
-		var n int
-		var errno unix.Errno
-		if r.notSock {
-			k, err := unix.Read(int(fd), r.p)
-			n, errno = k, errnoOf(err)
-		} else {
-			n, errno = recvDontWait(fd, r.p)
-		}
+		n, errno := recvDontWait(fd, r.p)
 		switch errno {
 		case 0:
 			r.n = n
@@ -133,11 +127,6 @@ func (r *ctlReader) readFD(fd uintptr) bool {
 			continue
 		case unix.EAGAIN:
 			return false
-		case unix.ENOTSOCK:
-			if !r.notSock {
-				r.notSock = true
-				continue
-			}
 		}
 		r.err = &net.OpError{Op: "read", Net: r.network, Err: os.NewSyscallError("read", errno)}
 		return true
