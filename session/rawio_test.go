@@ -24,26 +24,20 @@ func setBlocking(t *testing.T, c syscall.Conn) {
 	require.NoError(t, serr)
 }
 
-// readWithin runs r.Read(p) and fails the test if it has not returned
-// within limit: a read that blocks in the kernel would never return.
-func readWithin(t *testing.T, r io.Reader, p []byte, limit time.Duration) (int, error) {
+// readWithin runs r.Read(p), failing the test (result, ctlread_test.go)
+// if it still waits after 10 s: a read that blocks in the kernel would
+// never return.
+func readWithin(t *testing.T, r io.Reader, p []byte) (int, error) {
 	t.Helper()
-	type result struct {
-		n   int
-		err error
-	}
-	done := make(chan result, 1)
+	var n int
+	done := make(chan error, 1)
 	go func() {
-		n, err := r.Read(p)
-		done <- result{n, err}
+		var err error
+		n, err = r.Read(p)
+		done <- err
 	}()
-	select {
-	case res := <-done:
-		return res.n, res.err
-	case <-time.After(limit):
-		t.Fatalf("Read did not return within %v", limit)
-		return 0, nil
-	}
+	err := result(t, done)
+	return n, err
 }
 
 // ctlReader reads what the socket has, reports the peer's end as io.EOF,
@@ -68,12 +62,12 @@ func TestCtlReader(t *testing.T) {
 
 	// A read waits in the poller for the next bytes.
 	go b.Write([]byte("x"))
-	n, err = readWithin(t, r, p, 10*time.Second)
+	n, err = readWithin(t, r, p)
 	require.NoError(t, err)
 	require.Equal(t, "x", string(p[:n]))
 
 	require.NoError(t, a.SetReadDeadline(time.Now().Add(10*time.Millisecond)))
-	_, err = readWithin(t, r, p, 10*time.Second)
+	_, err = readWithin(t, r, p)
 	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
 	var oe *net.OpError
 	require.ErrorAs(t, err, &oe)
@@ -81,7 +75,7 @@ func TestCtlReader(t *testing.T) {
 	require.NoError(t, a.SetReadDeadline(time.Time{}))
 
 	b.Close()
-	_, err = readWithin(t, r, p, 10*time.Second)
+	_, err = readWithin(t, r, p)
 	require.ErrorIs(t, err, io.EOF)
 
 	a.Close()
@@ -101,7 +95,7 @@ func TestCtlReaderBlockingSocket(t *testing.T) {
 	r := newCtlReader(a)
 	p := make([]byte, 16)
 	require.NoError(t, a.SetReadDeadline(time.Now().Add(20*time.Millisecond)))
-	_, err := readWithin(t, r, p, 10*time.Second)
+	_, err := readWithin(t, r, p)
 	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
 
 	rc, err := a.SyscallConn()
@@ -152,7 +146,7 @@ func TestCtlRawNotSocket(t *testing.T) {
 	r := newCtlReader(pipeConn{pr})
 	require.Equal(t, pipeConn{pr}, r)
 	p := make([]byte, 16)
-	n, err := readWithin(t, r, p, 10*time.Second)
+	n, err := readWithin(t, r, p)
 	require.NoError(t, err)
 	require.Equal(t, "polling!", string(p[:n]))
 
