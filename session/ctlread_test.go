@@ -82,6 +82,63 @@ func TestSelfWakeChoice(t *testing.T) {
 	require.True(t, st.selfWake(st.spinBudget(false)), "long waits: no poll, reads the connection")
 	off := &Stream{s: &Session{cfg: Config{PollTime: -1}}}
 	require.True(t, off.selfWake(off.spinBudget(false)), "polling off")
+
+	// On a busy host, a stream whose last busyMisses waits each outlasted
+	// PollTime reads it itself; one wait within a poll ends the run.
+	busy := &Stream{s: &Session{cfg: Config{PollTime: 50 * time.Microsecond}}}
+	forceHost(t, true)
+	for i := range busyMisses {
+		require.False(t, busy.selfWake(busy.spinBudget(false)), "after %d missed polls", i)
+		busy.recordWait(120 * time.Microsecond)
+	}
+	require.Equal(t, busy.s.cfg.PollTime, busy.spinBudget(false), "waits this short still poll")
+	require.True(t, busy.selfWake(busy.spinBudget(false)), "busy host, polls that keep missing")
+	busy.recordWait(10 * time.Microsecond)
+	require.False(t, busy.selfWake(busy.spinBudget(false)), "a poll that caught its data")
+	for range busyMisses {
+		busy.recordWait(120 * time.Microsecond)
+	}
+	forceHost(t, false)
+	require.False(t, busy.selfWake(busy.spinBudget(false)), "a host with a CPU to spare")
+}
+
+// On a host whose CPUs are all busy, a reader whose polls keep missing
+// (requests that come a little more than a PollTime apart) reads the
+// control connection itself once busyMisses waits in a row have outlasted
+// PollTime, instead of being woken by the receive loop (docs/protocol.md
+// section 12.1): each of the receive loop's wakeups would be another round
+// of the scheduler against the other processes.
+func TestBusyHostSelfWake(t *testing.T) {
+	cfg := &Config{PollTime: time.Millisecond}
+	client, server := pair(t, cfg)
+	c, s := streamPair(t, client, server)
+	forceHost(t, true)
+	got := make([]byte, 1)
+	for i := range busyMisses + 1 {
+		// Mean waits of one PollTime, so every wait polls first
+		// (spinBudget), and a read that ended just now, so no wait
+		// follows a cold wakeup of the server (coldWake).
+		c.waitEWMA = cfg.PollTime
+		c.lastRead.Store(time.Now().UnixNano())
+		before := client.Stats()
+		done := readAsync(c, got)
+		if i < busyMisses {
+			waitFor(t, "the reader sleeps", func() bool { return client.rx.waiters.Load() == 1 })
+		} else {
+			waitPumping(t, c)
+		}
+		_, err := s.Write([]byte{byte(i)})
+		require.NoError(t, err)
+		require.NoError(t, result(t, done))
+		require.Equal(t, byte(i), got[0])
+		after := client.Stats()
+		require.Greater(t, after.Parks, before.Parks, "wait %d did not sleep", i)
+		want := before.SelfWakes
+		if i == busyMisses {
+			want++
+		}
+		require.Equal(t, want, after.SelfWakes, "wait %d, after %d missed polls", i, i)
+	}
 }
 
 // A reader blocked on the connection is kicked when its data comes by

@@ -779,15 +779,20 @@ func (st *Stream) waitForData(want int) error {
 // selfWake reports whether a wait that polled for budget in vain reads
 // the control connection itself (docs/protocol.md section 12.1): when the
 // stream's waits run long, so that it does not poll (spinBudget: requests
-// that come in gaps, a server between them), or polling is off. A stream
-// whose data usually comes within a poll leaves the connection to the
-// receive loop. Measured with gRPC unary calls (one caller, idle cores),
-// such streams reading it themselves made the polls of both processes
-// miss 1.5 to 2 times as often, and calls slower: a turn there takes
-// several goroutine hand-offs, and the receive loop's wakeup of the
-// reader also wakes an idle CPU for them early. The caller holds rmu.
+// that come in gaps, a server between them), or polling is off; and, on a
+// host whose CPUs are all busy (hostBusy), when its last busyMisses waits
+// each outlasted PollTime. A stream whose data usually comes within a
+// poll leaves the connection to the receive loop. Measured with gRPC
+// unary calls (one caller, idle cores), such streams reading it
+// themselves made the polls of both processes miss 1.5 to 2 times as
+// often, and calls slower: a turn there takes several goroutine
+// hand-offs, and the receive loop's wakeup of the reader also wakes an
+// idle CPU for them early. On a busy host, that early wakeup wakes
+// nobody: the receive loop's wakeup of the reader is a second round of
+// the scheduler against the other processes. The caller holds rmu.
 func (st *Stream) selfWake(budget time.Duration) bool {
-	return budget <= 0 || st.s.cfg.PollTime <= 0
+	return budget <= 0 || st.s.cfg.PollTime <= 0 ||
+		(st.missRun >= busyMisses && hostBusy())
 }
 
 // Tuning of spinBudget.
@@ -800,6 +805,13 @@ const (
 	// probeEvery is how often a reader whose waits run long polls anyway,
 	// to notice that traffic sped up.
 	probeEvery = 16
+	// busyMisses is how many waits in a row must have outlasted PollTime
+	// for a reader on a busy host to read the control connection itself
+	// (selfWake). A poll that misses now and then (a ping-pong whose
+	// peer lost its CPU for a moment) keeps the receive loop reading; one
+	// that always misses (requests 100 µs apart: more than a PollTime,
+	// less than longWaits) does not.
+	busyMisses = 4
 )
 
 // coldWake reports whether a wait that begins at start follows a cold
@@ -843,11 +855,17 @@ func (st *Stream) spinBudget(cold bool) time.Duration {
 
 // recordWait adds a wait of d to the stream's mean (an EWMA of weight 1/8;
 // a wait counts as at most 2*longWaits PollTimes, so the mean comes back
-// down within a dozen waits once data flows again). The caller holds rmu.
+// down within a dozen waits once data flows again), and to its run of
+// waits longer than PollTime (missRun). The caller holds rmu.
 func (st *Stream) recordWait(d time.Duration) {
 	limit := st.s.cfg.PollTime
 	if limit <= 0 {
 		return // no polling to tune
+	}
+	if d > limit {
+		st.missRun = min(st.missRun+1, busyMisses)
+	} else {
+		st.missRun = 0
 	}
 	d = min(d, 2*longWaits*limit)
 	if st.waitEWMA == 0 {

@@ -42,9 +42,11 @@ type Stream struct {
 	waited bool   // the current read call waited for data
 	// waitEWMA is the recent waits' mean length, in ns (0: none yet), and
 	// waitSkips counts the waits that did not poll since the last that did
-	// (see spinBudget).
+	// (see spinBudget); missRun counts the latest waits in a row that
+	// lasted longer than PollTime (see selfWake).
 	waitEWMA  time.Duration
 	waitSkips uint32
+	missRun   uint32
 	inRead    atomic.Bool  // a read call is running (read by the receive loop)
 	lastRead  atomic.Int64 // when a recent read call ended, Unix ns (see endRead)
 
