@@ -114,3 +114,32 @@ func TestMain(m *testing.M) {
 	hostIdle.busyUntil.Store(0)
 	os.Exit(m.Run())
 }
+
+// rawProcRead reads what a plain read of the file gives, fails on a path
+// that does not exist, and closes what it opened.
+func TestRawProcRead(t *testing.T) {
+	fds := func() int {
+		ents, err := os.ReadDir("/proc/self/fd")
+		require.NoError(t, err)
+		return len(ents)
+	}
+	before := fds()
+	var buf [512]byte
+	for range 100 {
+		n, ok := rawProcRead(&procStatPath[0], buf[:])
+		require.True(t, ok)
+		require.Equal(t, len(buf), n, "/proc/stat is longer than the buffer")
+		require.Equal(t, "cpu ", string(buf[:4]))
+	}
+	require.Equal(t, before, fds(), "descriptors left open")
+
+	want, err := os.ReadFile("/proc/self/comm") // the same at every read
+	require.NoError(t, err)
+	n, ok := rawProcRead(&[]byte("/proc/self/comm\x00")[0], buf[:])
+	require.True(t, ok)
+	require.Equal(t, string(want), string(buf[:n]))
+
+	_, ok = rawProcRead(&[]byte("/proc/no-such-file\x00")[0], buf[:])
+	require.False(t, ok)
+	require.Equal(t, before, fds())
+}
