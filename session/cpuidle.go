@@ -130,7 +130,7 @@ func (h *hostIdleState) record(now time.Time, idle, total uint64) {
 // through package syscall, they would wake the runtime's monitor thread
 // on every tick (docs/protocol.md section 12.4).
 func readProcStat(buf *[512]byte) (idle, total uint64, ok bool) {
-	n, ok := rawProcRead(&procStatPath[0], buf[:])
+	n, ok := rawProcRead(procStatPath, buf[:])
 	if !ok || n <= 0 {
 		return 0, 0, false
 	}
@@ -138,7 +138,7 @@ func readProcStat(buf *[512]byte) (idle, total uint64, ok bool) {
 }
 
 // procStatPath is "/proc/stat", NUL-terminated for openat(2).
-var procStatPath = [...]byte{'/', 'p', 'r', 'o', 'c', '/', 's', 't', 'a', 't', 0}
+var procStatPath, _ = unix.BytePtrFromString("/proc/stat")
 
 // rawProcRead opens the file at path (NUL-terminated) read-only and
 // close-on-exec, reads once into b and closes it, all as raw system

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 func TestParseCPULine(t *testing.T) {
@@ -126,7 +127,7 @@ func TestRawProcRead(t *testing.T) {
 	before := fds()
 	var buf [512]byte
 	for range 100 {
-		n, ok := rawProcRead(&procStatPath[0], buf[:])
+		n, ok := rawProcRead(procStatPath, buf[:])
 		require.True(t, ok)
 		require.Equal(t, len(buf), n, "/proc/stat is longer than the buffer")
 		require.Equal(t, "cpu ", string(buf[:4]))
@@ -135,11 +136,15 @@ func TestRawProcRead(t *testing.T) {
 
 	want, err := os.ReadFile("/proc/self/comm") // the same at every read
 	require.NoError(t, err)
-	n, ok := rawProcRead(&[]byte("/proc/self/comm\x00")[0], buf[:])
+	comm, err := unix.BytePtrFromString("/proc/self/comm")
+	require.NoError(t, err)
+	n, ok := rawProcRead(comm, buf[:])
 	require.True(t, ok)
 	require.Equal(t, string(want), string(buf[:n]))
 
-	_, ok = rawProcRead(&[]byte("/proc/no-such-file\x00")[0], buf[:])
+	missing, err := unix.BytePtrFromString("/proc/no-such-file")
+	require.NoError(t, err)
+	_, ok = rawProcRead(missing, buf[:])
 	require.False(t, ok)
 	require.Equal(t, before, fds())
 }
