@@ -75,31 +75,31 @@ func TestSelfWakes(t *testing.T) {
 // the receive loop; one whose waits run long reads it itself.
 func TestSelfWakeChoice(t *testing.T) {
 	st := &Stream{s: &Session{cfg: Config{PollTime: 50 * time.Microsecond}}}
-	require.False(t, st.selfWake(st.spinBudget(false)), "nothing learned: polls, then sleeps")
+	require.False(t, st.selfWake(st.spinBudget(false, false)), "nothing learned: polls, then sleeps")
 	for range 30 {
 		st.recordWait(time.Second)
 	}
-	require.True(t, st.selfWake(st.spinBudget(false)), "long waits: no poll, reads the connection")
+	require.True(t, st.selfWake(st.spinBudget(false, false)), "long waits: no poll, reads the connection")
 	off := &Stream{s: &Session{cfg: Config{PollTime: -1}}}
-	require.True(t, off.selfWake(off.spinBudget(false)), "polling off")
+	require.True(t, off.selfWake(off.spinBudget(false, false)), "polling off")
 
 	// On a busy host, a stream whose last busyMisses waits each outlasted
 	// PollTime reads it itself; one wait within a poll ends the run.
 	busy := &Stream{s: &Session{cfg: Config{PollTime: 50 * time.Microsecond}}}
 	forceHost(t, true)
 	for i := range busyMisses {
-		require.False(t, busy.selfWake(busy.spinBudget(false)), "after %d missed polls", i)
+		require.False(t, busy.selfWake(busy.spinBudget(false, false)), "after %d missed polls", i)
 		busy.recordWait(120 * time.Microsecond)
 	}
-	require.Equal(t, busy.s.cfg.PollTime, busy.spinBudget(false), "waits this short still poll")
-	require.True(t, busy.selfWake(busy.spinBudget(false)), "busy host, polls that keep missing")
+	require.Equal(t, busy.s.cfg.PollTime, busy.spinBudget(false, false), "waits this short still poll")
+	require.True(t, busy.selfWake(busy.spinBudget(false, false)), "busy host, polls that keep missing")
 	busy.recordWait(10 * time.Microsecond)
-	require.False(t, busy.selfWake(busy.spinBudget(false)), "a poll that caught its data")
+	require.False(t, busy.selfWake(busy.spinBudget(false, false)), "a poll that caught its data")
 	for range busyMisses {
 		busy.recordWait(120 * time.Microsecond)
 	}
 	forceHost(t, false)
-	require.False(t, busy.selfWake(busy.spinBudget(false)), "a host with a CPU to spare")
+	require.False(t, busy.selfWake(busy.spinBudget(false, false)), "a host with a CPU to spare")
 }
 
 // On a host whose CPUs are all busy, a reader whose polls keep missing

@@ -732,7 +732,8 @@ func (st *Stream) waitForData(want int) error {
 	}
 	st.waited = true
 	start := time.Now()
-	budget := st.spinBudget(st.coldWake(start))
+	cold := st.coldWake(start)
+	budget := st.spinBudget(cold, cold && st.afterPause(start))
 	if st.spin(want, budget, start) {
 		st.recordWait(time.Since(start))
 		return nil
@@ -827,23 +828,40 @@ func (st *Stream) coldWake(start time.Time) bool {
 		start.UnixNano()-st.lastRead.Load() > int64(s.cfg.PollTime)
 }
 
+// afterPause reports whether a wait that begins at start, after a cold
+// wakeup of the peer (coldWake), follows a pause: the stream's last read
+// call ended more than longWaits PollTimes before start. The peer had then
+// been asleep long enough for its CPU to go idle, and its answer takes at
+// least a wakeup. A turn of busy traffic does not qualify, even when the
+// reader's own goroutine came back late. The caller holds rmu.
+func (st *Stream) afterPause(start time.Time) bool {
+	return start.UnixNano()-st.lastRead.Load() > int64(longWaits*st.s.cfg.PollTime)
+}
+
 // spinBudget returns how long the next wait polls before it sleeps:
 // Config.PollTime, unless polling would not pay:
 //   - after a cold wakeup of the peer (cold: see coldWake) on a host whose
 //     CPUs are all busy (hostBusy), it sleeps at once. The peer needs a
 //     CPU to answer, and the one that the poll would hold is the one it
 //     waits for (docs/protocol.md section 12.3);
+//   - after a pause (paused: see afterPause), it polls or sleeps at once,
+//     whichever such waits of the stream recently found quicker
+//     (pauseBudget; docs/protocol.md section 12.5);
 //   - when the stream's recent waits were long (a server between requests
 //     that arrive in gaps; longWaits), it sleeps at once instead of burning
 //     the CPU for nothing, and polls once in probeEvery waits.
 //
 // The caller holds rmu.
-func (st *Stream) spinBudget(cold bool) time.Duration {
+func (st *Stream) spinBudget(cold, paused bool) time.Duration {
 	limit := st.s.cfg.PollTime
+	st.pauseWay = wayNone
 	if limit > 0 && cold && hostBusy() {
 		return 0
 	}
 	if limit <= 0 || st.waitEWMA <= longWaits*limit {
+		if paused && limit > 0 {
+			return st.pauseBudget(limit)
+		}
 		return limit
 	}
 	if st.waitSkips++; st.waitSkips >= probeEvery {
@@ -853,10 +871,63 @@ func (st *Stream) spinBudget(cold bool) time.Duration {
 	return 0
 }
 
+// waitWay is how a wait after a pause waits (see pauseBudget).
+type waitWay uint8
+
+const (
+	wayNone  waitWay = iota // not a wait after a pause
+	wayPoll                 // it polls for PollTime first
+	waySleep                // it sleeps at once
+)
+
+// pauseSlack is how much longer than the polling ones, at least, the waits
+// that slept at once may take on average for a stream to prefer sleeping:
+// sleeping leaves the CPU to others, so a tie goes to it.
+const pauseSlack = 2 * time.Microsecond
+
+// pauseBudget returns the budget of a wait after a pause: limit, or 0 to
+// sleep at once, whichever the stream prefers (pauseSleeps), and the other
+// one in every probeEvery such waits, to keep both means current. A poll
+// after a pause waits for a peer that must wake first; on a host whose
+// idle CPUs poll before they halt (a VM's haltpoll), a reader that slept
+// is woken as fast and the poll's CPU time is spent for nothing; elsewhere
+// the poll catches the answer sooner. Measuring both tells them apart
+// (docs/protocol.md section 12.5). The caller holds rmu.
+func (st *Stream) pauseBudget(limit time.Duration) time.Duration {
+	st.pauseWaits++
+	if st.pauseSleeps != (st.pauseWaits%probeEvery == 0) {
+		st.pauseWay = waySleep
+		return 0
+	}
+	st.pauseWay = wayPoll
+	return limit
+}
+
+// learnPause adds a wait after a pause, of length d, to the mean of its
+// way (pauseWay), and prefers sleeping while the waits that slept take on
+// average no more than pauseSlack or an eighth longer than those that
+// polled. The caller holds rmu.
+func (st *Stream) learnPause(d time.Duration) {
+	mean := &st.pausePoll
+	if st.pauseWay == waySleep {
+		mean = &st.pauseSleep
+	}
+	st.pauseWay = wayNone
+	if *mean == 0 {
+		*mean = max(d, 1)
+	} else {
+		*mean += (d - *mean) / 8
+	}
+	if st.pausePoll > 0 && st.pauseSleep > 0 {
+		st.pauseSleeps = st.pauseSleep <= st.pausePoll+max(st.pausePoll/8, pauseSlack)
+	}
+}
+
 // recordWait adds a wait of d to the stream's mean (an EWMA of weight 1/8;
 // a wait counts as at most 2*longWaits PollTimes, so the mean comes back
-// down within a dozen waits once data flows again), and to its run of
-// waits longer than PollTime (missRun). The caller holds rmu.
+// down within a dozen waits once data flows again), to its run of waits
+// longer than PollTime (missRun), and, for a wait after a pause, to the
+// mean of its way (learnPause). The caller holds rmu.
 func (st *Stream) recordWait(d time.Duration) {
 	limit := st.s.cfg.PollTime
 	if limit <= 0 {
@@ -868,6 +939,9 @@ func (st *Stream) recordWait(d time.Duration) {
 		st.missRun = 0
 	}
 	d = min(d, 2*longWaits*limit)
+	if st.pauseWay != wayNone {
+		st.learnPause(d)
+	}
 	if st.waitEWMA == 0 {
 		st.waitEWMA = max(d, 1)
 		return

@@ -61,11 +61,11 @@ func TestWaitStats(t *testing.T) {
 func TestSpinBudget(t *testing.T) {
 	const limit = 50 * time.Microsecond
 	st := &Stream{s: &Session{cfg: Config{PollTime: limit}}}
-	require.Equal(t, limit, st.spinBudget(false), "nothing learned yet")
+	require.Equal(t, limit, st.spinBudget(false, false), "nothing learned yet")
 	for range 50 {
 		st.recordWait(150 * time.Microsecond) // both sides asleep: a wakeup each way
 	}
-	require.Equal(t, limit, st.spinBudget(false), "waits of a wakeup's time keep polling")
+	require.Equal(t, limit, st.spinBudget(false, false), "waits of a wakeup's time keep polling")
 
 	for range 30 {
 		st.recordWait(time.Second) // requests in gaps
@@ -73,14 +73,14 @@ func TestSpinBudget(t *testing.T) {
 	require.LessOrEqual(t, st.waitEWMA, 2*longWaits*limit, "a long wait counts as 2*longWaits PollTimes at most")
 	polls := 0
 	for range 4 * probeEvery {
-		if st.spinBudget(false) > 0 {
+		if st.spinBudget(false, false) > 0 {
 			polls++
 		}
 	}
 	require.Equal(t, 4, polls, "one probe in probeEvery waits")
 
 	waits := 0
-	for st.spinBudget(false) == 0 || st.waitEWMA > longWaits*limit {
+	for st.spinBudget(false, false) == 0 || st.waitEWMA > longWaits*limit {
 		st.recordWait(3 * time.Microsecond)
 		waits++
 		require.Less(t, waits, 12, "the mean stays up after traffic sped up")
@@ -88,5 +88,52 @@ func TestSpinBudget(t *testing.T) {
 
 	off := &Stream{s: &Session{cfg: Config{PollTime: -1}}}
 	off.recordWait(time.Second)
-	require.LessOrEqual(t, off.spinBudget(false), time.Duration(0), "PollTime < 0: no polling")
+	require.LessOrEqual(t, off.spinBudget(false, false), time.Duration(0), "PollTime < 0: no polling")
+}
+
+// Waits after a pause poll or sleep at once by what such waits took:
+// when sleeping costs no more than polling, the stream sleeps, and polls
+// once in probeEvery waits; when polling catches the answer sooner, it
+// polls, and sleeps once in probeEvery. Other waits are not affected.
+func TestPauseBudget(t *testing.T) {
+	const limit = 50 * time.Microsecond
+	// run makes n waits after a pause, each taking polled or slept by the
+	// way chosen, and returns how many slept at once.
+	run := func(st *Stream, n int, polled, slept time.Duration) (sleeps int) {
+		for range n {
+			if st.spinBudget(true, true) == 0 {
+				sleeps++
+				st.recordWait(slept)
+			} else {
+				st.recordWait(polled)
+			}
+		}
+		return sleeps
+	}
+	forceHost(t, false) // a host with a CPU to spare: a busy one never polls here
+	st := &Stream{s: &Session{cfg: Config{PollTime: limit}}}
+	require.Equal(t, 1, run(st, probeEvery, 42*time.Microsecond, 43*time.Microsecond),
+		"nothing learned: polls, and tries sleeping once")
+	// A VM whose idle CPUs poll: a reader that slept wakes as fast.
+	sleeps := run(st, 4*probeEvery, 42*time.Microsecond, 43*time.Microsecond)
+	require.Equal(t, 4*probeEvery-4, sleeps, "sleeping costs no more: sleeps, polls once in probeEvery")
+	require.Equal(t, limit, st.spinBudget(false, false), "a wait that is not after a pause still polls")
+
+	// Sleeping now costs a wakeup of 40 µs more: back to polling within
+	// a few probes.
+	waits := 0
+	for st.pauseSleeps {
+		run(st, 1, 42*time.Microsecond, 80*time.Microsecond)
+		waits++
+		require.Less(t, waits, 4*probeEvery, "still sleeping after %d waits", waits)
+	}
+	sleeps = run(st, 4*probeEvery, 42*time.Microsecond, 80*time.Microsecond)
+	require.Equal(t, 4, sleeps, "polling pays: polls, sleeps once in probeEvery")
+	forceHost(t, true)
+	require.Zero(t, st.spinBudget(true, true), "busy host: a cold wakeup never polls")
+	require.Equal(t, wayNone, st.pauseWay, "and does not count as a way tried")
+
+	off := &Stream{s: &Session{cfg: Config{PollTime: -1}}}
+	require.LessOrEqual(t, off.spinBudget(true, true), time.Duration(0), "PollTime < 0: no polling")
+	require.Equal(t, wayNone, off.pauseWay)
 }
