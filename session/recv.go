@@ -886,7 +886,7 @@ const (
 const pauseSlack = 2 * time.Microsecond
 
 // pauseBudget returns the budget of a wait after a pause: limit, or 0 to
-// sleep at once, whichever the stream prefers (pauseSleeps), and the other
+// sleep at once, whichever the stream prefers (prefersSleep), and the other
 // one in every probeEvery such waits, to keep both means current. A poll
 // after a pause waits for a peer that must wake first; on a host whose
 // idle CPUs poll before they halt (a VM's haltpoll), a reader that slept
@@ -895,7 +895,7 @@ const pauseSlack = 2 * time.Microsecond
 // (docs/protocol.md section 12.5). The caller holds rmu.
 func (st *Stream) pauseBudget(limit time.Duration) time.Duration {
 	st.pauseWaits++
-	if st.pauseSleeps != (st.pauseWaits%probeEvery == 0) {
+	if st.prefersSleep() != (st.pauseWaits%probeEvery == 0) {
 		st.pauseWay = waySleep
 		return 0
 	}
@@ -903,10 +903,17 @@ func (st *Stream) pauseBudget(limit time.Duration) time.Duration {
 	return limit
 }
 
+// prefersSleep reports whether waits after a pause sleep at once: once
+// both ways were tried, while those that slept took on average no more
+// than pauseSlack or an eighth longer than those that polled. The caller
+// holds rmu.
+func (st *Stream) prefersSleep() bool {
+	return st.pausePoll > 0 && st.pauseSleep > 0 &&
+		st.pauseSleep <= st.pausePoll+max(st.pausePoll/8, pauseSlack)
+}
+
 // learnPause adds a wait after a pause, of length d, to the mean of its
-// way (pauseWay), and prefers sleeping while the waits that slept take on
-// average no more than pauseSlack or an eighth longer than those that
-// polled. The caller holds rmu.
+// way (pauseWay). The caller holds rmu.
 func (st *Stream) learnPause(d time.Duration) {
 	mean := &st.pausePoll
 	if st.pauseWay == waySleep {
@@ -917,9 +924,6 @@ func (st *Stream) learnPause(d time.Duration) {
 		*mean = max(d, 1)
 	} else {
 		*mean += (d - *mean) / 8
-	}
-	if st.pausePoll > 0 && st.pauseSleep > 0 {
-		st.pauseSleeps = st.pauseSleep <= st.pausePoll+max(st.pausePoll/8, pauseSlack)
 	}
 }
 

@@ -50,16 +50,15 @@ type Stream struct {
 	// A wait after a pause (see afterPause) polls or sleeps at once by
 	// what such waits recently took (see pauseBudget): pausePoll and
 	// pauseSleep are the mean lengths (EWMA, weight 1/8; 0: none yet) of
-	// those that polled and of those that slept at once, pauseSleeps says
-	// which the stream prefers, pauseWaits counts them (one in probeEvery
-	// tries the other way), and pauseWay is how the wait under way waits.
-	pausePoll   time.Duration
-	pauseSleep  time.Duration
-	pauseWaits  uint32
-	pauseSleeps bool
-	pauseWay    waitWay
-	inRead      atomic.Bool  // a read call is running (read by the receive loop)
-	lastRead    atomic.Int64 // when a recent read call ended, Unix ns (see endRead)
+	// those that polled and of those that slept at once, pauseWaits counts
+	// them (one in probeEvery tries the way not preferred), and pauseWay
+	// is how the wait under way waits.
+	pausePoll  time.Duration
+	pauseSleep time.Duration
+	pauseWaits uint32
+	pauseWay   waitWay
+	inRead     atomic.Bool  // a read call is running (read by the receive loop)
+	lastRead   atomic.Int64 // when a recent read call ended, Unix ns (see endRead)
 
 	// Write side, guarded by wmu: one write call at a time.
 	wmu       sync.Mutex

@@ -122,7 +122,7 @@ func TestPauseBudget(t *testing.T) {
 	// Sleeping now costs a wakeup of 40 µs more: back to polling within
 	// a few probes.
 	waits := 0
-	for st.pauseSleeps {
+	for st.prefersSleep() {
 		run(st, 1, 42*time.Microsecond, 80*time.Microsecond)
 		waits++
 		require.Less(t, waits, 4*probeEvery, "still sleeping after %d waits", waits)
