@@ -272,7 +272,7 @@ func (r *soakRun) watchdog() (stop func()) {
 
 // soakFlow is one direction of a stream as the model tracks it: what its
 // writer's calls reported written (the n they returned) and what its
-// reader got. Every byte is peertest.Pattern(seed) at its offset in the direction.
+// reader got. Every byte is soakPattern(seed) at its offset in the direction.
 type soakFlow struct {
 	seed    uint64
 	written int    // sum of the n of the writer's calls
@@ -288,15 +288,66 @@ func (f *soakFlow) wrote(b []byte) {
 	f.wsum = crc32.Update(f.wsum, crc32.IEEETable, b)
 }
 
-// got checks bytes the reader got against the pattern at the flow's
-// offset and accounts them.
-func (f *soakFlow) got(b []byte) error {
-	if err := peertest.CheckPattern(b, f.seed, f.read); err != nil {
-		return fmt.Errorf("corrupt, lost, duplicated or reordered data: %w", err)
+// got checks bytes the reader got from the call op against the pattern at
+// the flow's offset and accounts them.
+func (f *soakFlow) got(op string, b []byte) error {
+	if i := soakMismatch(b, f.seed, f.read); i >= 0 {
+		want := make([]byte, 1)
+		soakPattern(want, f.seed, f.read+i)
+		return fmt.Errorf("corrupt, lost, duplicated or reordered data: byte %d: got %#x want %#x (%s of %d bytes at %d; %s)",
+			f.read+i, b[i], want[0], op, len(b), f.read, f.locate(b[i:], f.read+i))
 	}
 	f.read += len(b)
 	f.rsum = crc32.Update(f.rsum, crc32.IEEETable, b)
 	return nil
+}
+
+// soakPattern fills b with the bytes of the pattern of seed from offset
+// off: byte j of splitmix64's finalizer of seed and the 8-byte word's
+// index. Unlike peertest.Pattern, whose bytes at one offset look like its
+// bytes at many others, any 16 bytes of it tell their offset and seed
+// (locate).
+func soakPattern(b []byte, seed uint64, off int) {
+	for i := 0; i < len(b); {
+		w := soakMix(seed, 0, uint64((off+i)/8))
+		for j := (off + i) % 8; j < 8 && i < len(b); j, i = j+1, i+1 {
+			b[i] = byte(w >> (8 * j))
+		}
+	}
+}
+
+// soakMismatch returns the index of the first byte of b that differs
+// from soakPattern(seed) at off, or -1.
+func soakMismatch(b []byte, seed uint64, off int) int {
+	var want [4096]byte
+	for i := 0; i < len(b); i += len(want) {
+		k := min(len(b)-i, len(want))
+		soakPattern(want[:k], seed, off+i)
+		for j := range k {
+			if b[i+j] != want[j] {
+				return i + j
+			}
+		}
+	}
+	return -1
+}
+
+// locate says where wrong bytes b, read at offset at, belong: at another
+// offset of this flow, up to what its writer wrote (lost, duplicated or
+// reordered data), or nowhere in it (another stream's bytes, or memory
+// overwritten while the reader held it). It tells the soak's failures
+// apart.
+func (f *soakFlow) locate(b []byte, at int) string {
+	probe := b[:min(len(b), 16)]
+	if len(probe) < 16 {
+		return fmt.Sprintf("too few wrong bytes (%d) to locate", len(probe))
+	}
+	for off := 0; off <= f.written; off++ {
+		if soakMismatch(probe, f.seed, off) < 0 {
+			return fmt.Sprintf("the bytes from %d are this flow's bytes at %d (%+d); %d written so far", at, off, off-at, f.written)
+		}
+	}
+	return fmt.Sprintf("the bytes from %d are none of the %d bytes written so far: another stream's, or overwritten", at, f.written)
 }
 
 // soakCheck compares what the reader of a direction got (got) with what
@@ -452,7 +503,7 @@ func (sd *soakSide) expected(op string, err error, write bool) (end bool, failur
 	return true, fmt.Errorf("%s: %w", op, err)
 }
 
-// write runs the side's writes: random sizes of peertest.Pattern(out.seed) at the
+// write runs the side's writes: random sizes of soakPattern(out.seed) at the
 // flow's offset, random pauses and deadlines, counting exactly the n each
 // call returns; then a CloseWrite for endHalfClose. It closes abort after
 // plan.abortAt writes, or when it returns.
@@ -493,7 +544,7 @@ func (sd *soakSide) write(abort chan struct{}) error {
 			buf = make([]byte, size)
 		}
 		b := buf[:size]
-		peertest.Pattern(b, sd.out.seed, sd.out.written)
+		soakPattern(b, sd.out.seed, sd.out.written)
 		n, err := sd.conn.Write(b)
 		if n < 0 || n > size {
 			return fmt.Errorf("write of %d bytes returned n=%d", size, n)
@@ -555,7 +606,7 @@ func (sd *soakSide) reserve(rng *rand.Rand, size int) (stop bool, err error) {
 		if len(b) != k {
 			return true, fmt.Errorf("Reserve(%d) returned %d bytes", k, len(b))
 		}
-		peertest.Pattern(b, sd.out.seed, off+done)
+		soakPattern(b, sd.out.seed, off+done)
 		sum = crc32.Update(sum, crc32.IEEETable, b)
 		done += k
 		sd.run.zeroCopy.Add(1)
@@ -591,11 +642,12 @@ func (sd *soakSide) read() error {
 			b       []byte
 			err     error
 			release bool
+			op      = "Read"
 		)
 		if buffered := sd.st.Buffered(); sd.plan.zeroCopy && buffered > 0 && rng.IntN(4) == 0 {
 			// Zero copy: the bytes are there, so neither call waits.
 			n := 1 + rng.IntN(min(buffered, soakMaxRead))
-			op := "ReadBytes"
+			op = "ReadBytes"
 			if rng.IntN(2) == 0 {
 				b, err = sd.st.ReadBytes(n)
 			} else {
@@ -606,7 +658,7 @@ func (sd *soakSide) read() error {
 				return fmt.Errorf("%s(%d) returned %d bytes", op, n, len(b))
 			}
 			if op == "Peek" && err == nil {
-				if err := sd.in.got(b); err != nil {
+				if err := sd.in.got(op, b); err != nil {
 					return err
 				}
 				sd.run.bytes.Add(int64(n))
@@ -622,7 +674,7 @@ func (sd *soakSide) read() error {
 			n, err = sd.conn.Read(buf[:soakSize(rng, soakMaxRead)])
 			b = buf[:n]
 		}
-		if gerr := sd.in.got(b); gerr != nil {
+		if gerr := sd.in.got(op, b); gerr != nil {
 			return gerr
 		}
 		sd.run.bytes.Add(int64(len(b)))
@@ -1092,4 +1144,23 @@ func soakEcho(run *soakRun, d *shmlink.Dialer, network, addr string, idx uint64)
 	err = side.play()
 	run.streams.Add(1)
 	return errors.Join(err, soakCheck(name+" echo", out, in))
+}
+
+// TestSoakLocate checks the soak's diagnosis of wrong bytes: bytes of the
+// flow from another offset are found there, foreign bytes are not.
+func TestSoakLocate(t *testing.T) {
+	f := &soakFlow{seed: 42, read: 1000, written: 5000}
+	b := make([]byte, 100)
+	soakPattern(b[:10], f.seed, 1000)
+	soakPattern(b[10:], f.seed, 4000) // 2990 bytes skipped
+	err := f.got("Read", b)
+	require.ErrorContains(t, err, "byte 1010:")
+	require.ErrorContains(t, err, "this flow's bytes at 4000 (+2990)")
+	soakPattern(b[10:], f.seed, 21) // a duplicate from before
+	require.ErrorContains(t, f.got("Read", b), "this flow's bytes at 21 (-989)")
+	soakPattern(b[10:], f.seed+1, 1010) // another stream's
+	require.ErrorContains(t, f.got("Peek", b), "none of the 5000 bytes")
+	require.Equal(t, 1000, f.read, "failed checks account nothing")
+	require.NoError(t, f.got("Read", b[:10]))
+	require.Equal(t, 1010, f.read)
 }
