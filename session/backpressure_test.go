@@ -5,6 +5,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"os"
+	"runtime"
 	"testing"
 	"time"
 
@@ -104,4 +105,80 @@ func TestStalledReader(t *testing.T) {
 	for i, n := range st.SlicesInUse {
 		require.Zero(t, n, "list %d: slices still in use", i)
 	}
+}
+
+// A writer waiting for space is woken by what frees it, not by its timed
+// waits alone, which the runtime may round up to a millisecond: its own
+// session's reader freeing slices, or the harvest of the peer's events
+// (whose reader freed what it had read first). With the timed waits an
+// hour long, each phase ends only if that wakeup comes.
+func TestSpaceWaitWakes(t *testing.T) {
+	keep := tinyConfig()
+	keep.StreamMemoryLimit, keep.StreamHeapLimit = -1, -1 // no copying out
+	client, server := pairWith(t, keep, keep)
+	client.shm.spaceWait = time.Hour
+	c1, s1 := streamPair(t, client, server)
+	c2, s2 := streamPair(t, client, server)
+	msg := make([]byte, 4<<10)
+
+	// fill writes on w until the region is full.
+	fill := func(w *Stream) int {
+		require.NoError(t, w.SetWriteDeadline(time.Now().Add(50*time.Millisecond)))
+		n, err := w.Write(make([]byte, 1<<20))
+		require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+		require.NoError(t, w.SetWriteDeadline(time.Time{}))
+		return n
+	}
+	// blocked starts c1.Write(msg) and returns once it waits for space.
+	blocked := func() <-chan error {
+		done := make(chan error, 1)
+		go func() {
+			_, err := c1.Write(msg)
+			done <- err
+		}()
+		for client.shm.spaceWaiters.Load() == 0 {
+			select {
+			case err := <-done:
+				t.Fatalf("the write did not wait for space: %v", err)
+			default:
+				runtime.Gosched()
+			}
+		}
+		return done
+	}
+	wait := func(done <-chan error, what string) {
+		select {
+		case err := <-done:
+			require.NoError(t, err)
+		case <-time.After(time.Minute):
+			t.Fatalf("a writer waiting for space was not woken by %s", what)
+		}
+	}
+
+	// The region is full of what the client has not read: its read frees
+	// slices in its own session.
+	n := fill(s2)
+	for c2.Buffered() < n { // all harvested: only the read can wake the writer
+		runtime.Gosched()
+	}
+	done := blocked()
+	_, err := io.ReadFull(c2, make([]byte, n))
+	require.NoError(t, err)
+	wait(done, "its own reader's free")
+	_, err = io.ReadFull(s1, msg)
+	require.NoError(t, err)
+
+	// The region is full of what the server has not read: its read frees
+	// slices in the peer's session, and its answer's event tells.
+	n = fill(c2)
+	done = blocked()
+	_, err = io.ReadFull(s2, make([]byte, n))
+	require.NoError(t, err)
+	_, err = s1.Write([]byte{1})
+	require.NoError(t, err)
+	wait(done, "the harvest of the peer's event")
+	_, err = io.ReadFull(s1, msg)
+	require.NoError(t, err)
+	_, err = io.ReadFull(c1, msg[:1])
+	require.NoError(t, err)
 }

@@ -249,6 +249,10 @@ func (s *Session) harvestLocked(m *memory, settle bool) (more bool, err error) {
 				return false, err
 			}
 		}
+		if n > 0 {
+			// The peer's reader frees what it read before it answers.
+			s.shm.noteFreed()
+		}
 		if n == maxHarvest {
 			return true, nil
 		}
@@ -625,6 +629,7 @@ func (st *Stream) dropUnread() {
 	s.shm.unread.Add(-int64(st.shm))
 	s.shm.heapUnread.Add(-int64(st.heap))
 	st.recvBuf = recvBuf{}
+	s.shm.noteFreed()
 }
 
 // ---- read calls ----
@@ -1141,6 +1146,9 @@ func (st *Stream) ReleasePreviousRead() {
 // releaseHeldLocked recycles the slices behind zero-copy results. The
 // caller holds shm.mu's read lock and st.mu.
 func (st *Stream) releaseHeldLocked(region *buffer.Region) {
+	if len(st.held) == 0 {
+		return
+	}
 	for _, off := range st.held {
 		if err := region.Free(off); err != nil {
 			go st.s.failOp("release", err)
@@ -1148,6 +1156,7 @@ func (st *Stream) releaseHeldLocked(region *buffer.Region) {
 		}
 	}
 	st.held = st.held[:0]
+	st.s.shm.noteFreed()
 }
 
 // Buffered returns the number of bytes that can be read without waiting.
@@ -1196,6 +1205,8 @@ func (st *Stream) advanceLocked(region *buffer.Region, c *chunk) error {
 			} else if err := region.Free(c.off); err != nil {
 				st.dropHeadLocked()
 				return err
+			} else {
+				st.s.shm.noteFreed()
 			}
 		}
 		if !c.hasNext || c.remain <= 0 {
@@ -1481,5 +1492,6 @@ func (st *Stream) spill(region *buffer.Region) {
 		st.s.ctr.spilled.Add(uint64(len(data)))
 		*c = chunk{data: data, remain: len(data)}
 		st.addHeap(len(data))
+		st.s.shm.noteFreed()
 	}
 }

@@ -123,15 +123,31 @@ func (st *Stream) writeSome(p []byte) (int, error) {
 
 // withSpace runs try with shm.mu read-locked, and while try reports that
 // the region has no slice left (buffer.ErrNoSpace) and wait is set, again
-// after waiting for the peer to free slices: it yields at first, then
-// sleeps, growing from 4 µs to 256 µs, since the peer's reader frees slices
-// without telling us. It returns try's last error, or why the write
-// cannot go on (writeCheck). Errors other than ErrNoSpace and the
-// session's mean the peer corrupted shared memory: they end the session.
-// The caller holds wmu.
+// after waiting for slices to be freed: it yields at first, then waits
+// until slices are freed on this side or the peer's events are harvested
+// (sharedMem.noteFreed), or at the latest for a time that grows from 4 µs
+// to 256 µs, since the peer's reader frees slices without telling us
+// (docs/protocol.md section 10, rule 6). It returns try's last error, or
+// why the write cannot go on (writeCheck). Errors other than ErrNoSpace
+// and the session's mean the peer corrupted shared memory: they end the
+// session. The caller holds wmu.
 func (st *Stream) withSpace(wait bool, try func(m *memory) error) error {
 	s := st.s
+	var (
+		freed <-chan struct{} // closed once slices were freed after this try began
+		timer *time.Timer
+	)
 	for tries := 0; ; tries++ {
+		if tries == yieldTries {
+			s.shm.spaceWaiters.Add(1)
+			defer s.shm.spaceWaiters.Add(-1)
+			timer = time.NewTimer(time.Hour)
+			defer timer.Stop()
+		}
+		if tries >= yieldTries {
+			// Watched before the try: a free after its failure wakes us.
+			freed = s.shm.watchSpace()
+		}
 		err := s.withMem(try)
 		if err == nil || (errors.Is(err, buffer.ErrNoSpace) && !wait) {
 			return err
@@ -148,20 +164,52 @@ func (st *Stream) withSpace(wait bool, try func(m *memory) error) error {
 		if err := st.writeCheck(); err != nil {
 			return err
 		}
-		switch {
-		case tries < 16:
+		if tries < yieldTries {
 			runtime.Gosched()
 			continue
-		case tries%16 == 0:
+		}
+		if tries%yieldTries == 0 {
 			// Our own unread data may be what fills the region: an echo
 			// server blocked here holds the request it has not read yet.
 			s.spillStalled()
 		}
-		time.Sleep(time.Duration(4<<min(tries-16, 6)) * time.Microsecond)
+		timer.Reset(s.shm.spaceWait << min(tries-yieldTries, 6))
+		select {
+		case <-freed:
+		case <-timer.C:
+		case <-st.closedCh:
+		case <-st.wdl.wait():
+		case <-s.dead:
+		}
 		if err := st.writeCheck(); err != nil {
 			return err
 		}
 	}
+}
+
+// yieldTries is how many times withSpace yields before it waits.
+const yieldTries = 16
+
+// watchSpace returns a channel that is closed once slices are freed here
+// or the peer's events harvested after this call, while the caller counts
+// in spaceWaiters.
+func (m *sharedMem) watchSpace() <-chan struct{} {
+	m.spaceMu.Lock()
+	defer m.spaceMu.Unlock()
+	return m.spaceFreed
+}
+
+// noteFreed wakes the writers waiting for free slices, if any: slices were
+// freed on this side, or the peer's events harvested. One atomic load when
+// nobody waits.
+func (m *sharedMem) noteFreed() {
+	if m.spaceWaiters.Load() == 0 {
+		return
+	}
+	m.spaceMu.Lock()
+	close(m.spaceFreed)
+	m.spaceFreed = make(chan struct{})
+	m.spaceMu.Unlock()
 }
 
 // publishLocked finishes the chain in st.w and puts its event. On failure

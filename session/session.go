@@ -83,6 +83,17 @@ type sharedMem struct {
 	// heapTaken (cap 1) then says that a reader took some.
 	heapWaiting atomic.Bool
 	heapTaken   chan struct{}
+	// spaceWaiters counts the writers that wait for free slices
+	// (Stream.withSpace). While there are any, whoever frees slices here,
+	// or harvests the peer's events (its reader frees what it read),
+	// wakes them all (noteFreed): spaceFreed is closed and replaced,
+	// under spaceMu.
+	spaceWaiters atomic.Int32
+	spaceMu      sync.Mutex
+	spaceFreed   chan struct{}
+	// spaceWait is the first of withSpace's timed waits (4 µs); they
+	// double up to 64 times it. A test sets it long.
+	spaceWait time.Duration
 	// pressureBytes is the free capacity of the region (a quarter of it)
 	// below which those limits apply: with more free, nobody waits for
 	// slices and copying out would only slow the reader down.
@@ -192,6 +203,8 @@ func (m *sharedMem) init(mem *memory, c *Config) {
 	m.maxLinks = slices
 	m.pressureBytes = dataBytes / 4
 	m.heapTaken = make(chan struct{}, 1)
+	m.spaceFreed = make(chan struct{})
+	m.spaceWait = 4 * time.Microsecond
 	m.heapLimit = max(c.StreamHeapLimit, 0)
 	m.socketLimit = max(m.heapLimit, c.MaxMessageSize)
 	switch {
