@@ -182,3 +182,71 @@ func TestSpaceWaitWakes(t *testing.T) {
 	_, err = io.ReadFull(c1, msg[:1])
 	require.NoError(t, err)
 }
+
+// Write does not retain p: when its write deadline passes in the middle of
+// a FallbackData, the rest of that message goes out on a flusher goroutine
+// after Write has returned (and counted the message as written), so it
+// must not be read from p, which the caller may reuse at once. Here the
+// server reads nothing until Write has returned and p is overwritten: its
+// stream's heap limit stops its receive loop, and the socket fills. Where
+// the socket fills depends on what went before; each try shifts it.
+func TestWriteDeadlineDoesNotRetainP(t *testing.T) {
+	ccfg := tinyConfig()
+	ccfg.Fallback = true
+	scfg := tinyConfig()
+	scfg.StreamHeapLimit, scfg.MaxMessageSize = 64<<10, 64<<10
+	flushed := 0 // tries in which a flusher went on after Write returned
+	for try := range 16 {
+		client, server := pairWith(t, ccfg, scfg)
+		c, s := streamPair(t, client, server)
+		data := randomBytes(1<<20, uint64(try))
+		head := try * 5 << 10 // written first, without a deadline
+		_, err := c.Write(data[:head])
+		require.NoError(t, err)
+		p := append([]byte(nil), data[head:]...)
+		require.NoError(t, c.SetWriteDeadline(time.Now().Add(100*time.Millisecond)))
+		n, err := c.Write(p)
+		require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+		require.Less(t, n, len(p), "the socket never filled")
+		if len(client.ctl.sem) == 1 {
+			flushed++ // the connection is held: a flusher writes the rest
+		}
+		for i := range p {
+			p[i] = 0xA5 // the caller's next use of its buffer
+		}
+		type result struct {
+			b   []byte
+			err error
+		}
+		read := make(chan result, 1)
+		go func() {
+			b, err := io.ReadAll(s)
+			read <- result{b, err}
+		}()
+		require.NoError(t, c.CloseWrite()) // after the flusher's message
+		r := <-read
+		require.NoError(t, r.err)
+		got, want := r.b, data[:head+n]
+		require.Equal(t, len(want), len(got), "the bytes counted as written")
+		if i := mismatch(got, want); i >= 0 {
+			t.Fatalf("try %d: byte %d of %d differs: got %#x want %#x (%#x is the caller's buffer after Write returned)",
+				try, i, len(want), got[i], want[i], 0xA5)
+		}
+	}
+	require.NotZero(t, flushed, "no try ended with a flusher")
+	t.Logf("%d of 16 tries ended with a flusher", flushed)
+}
+
+// mismatch returns the index of the first byte at which a and b differ,
+// or -1 if they are equal.
+func mismatch(a, b []byte) int {
+	for i := range min(len(a), len(b)) {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	if len(a) != len(b) {
+		return min(len(a), len(b))
+	}
+	return -1
+}

@@ -202,8 +202,9 @@ func (s *Session) flush(rest net.Buffers) {
 
 // sendCtl writes the message made of bufs on the connection, waiting for
 // it as long as cancel allows, and giving up at dl (zero: none) once its
-// writing has begun: the rest then goes out on a flusher goroutine, and
-// sendCtl returns nil, since the message will be whole. It returns
+// writing has begun: the rest then goes out on a flusher goroutine, from a
+// copy, since bufs may be the caller's (Stream.Write does not retain p),
+// and sendCtl returns nil, since the message will be whole. It returns
 // errDeadline when it wrote nothing by cancel or dl, and the session's
 // error when the session ended or the write failed (which ends it).
 func (s *Session) sendCtl(bufs net.Buffers, cancel <-chan struct{}, dl time.Time) error {
@@ -216,8 +217,12 @@ func (s *Session) sendCtl(bufs net.Buffers, cancel <-chan struct{}, dl time.Time
 	case byDeadline && n == 0:
 		err = errDeadline
 	case byDeadline:
+		var rest []byte // at most one message: maxFallbackChunk and its header
+		for _, b := range bufs {
+			rest = append(rest, b...)
+		}
 		s.ctl.flushers.Add(1)
-		go s.flush(bufs)
+		go s.flush(net.Buffers{rest})
 		return nil
 	default:
 		err = s.writeFailed(err)
