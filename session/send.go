@@ -133,20 +133,27 @@ func (st *Stream) writeSome(p []byte) (int, error) {
 // session. The caller holds wmu.
 func (st *Stream) withSpace(wait bool, try func(m *memory) error) error {
 	s := st.s
-	var (
-		freed <-chan struct{} // closed once slices were freed after this try began
-		timer *time.Timer
-	)
+	var lastSpill time.Time
+	waiting := false // counted in spaceWaiters: from the first wait on
+	defer func() {
+		if waiting {
+			s.shm.unwatchSpace(st)
+			st.spaceTimer.Stop()
+			s.shm.spaceWaiters.Add(-1)
+		}
+	}()
 	for tries := 0; ; tries++ {
 		if tries == yieldTries {
+			waiting = true
 			s.shm.spaceWaiters.Add(1)
-			defer s.shm.spaceWaiters.Add(-1)
-			timer = time.NewTimer(time.Hour)
-			defer timer.Stop()
+			if st.spaceTimer == nil {
+				st.spaceTimer = time.NewTimer(time.Hour)
+				st.spaceCh = make(chan struct{}, 1)
+			}
 		}
 		if tries >= yieldTries {
-			// Watched before the try: a free after its failure wakes us.
-			freed = s.shm.watchSpace()
+			// Listed before the try: a free after its failure wakes us.
+			s.shm.watchSpace(st)
 		}
 		err := s.withMem(try)
 		if err == nil || (errors.Is(err, buffer.ErrNoSpace) && !wait) {
@@ -168,15 +175,16 @@ func (st *Stream) withSpace(wait bool, try func(m *memory) error) error {
 			runtime.Gosched()
 			continue
 		}
-		if tries%yieldTries == 0 {
+		if now := time.Now(); now.Sub(lastSpill) >= spillEvery {
 			// Our own unread data may be what fills the region: an echo
 			// server blocked here holds the request it has not read yet.
+			lastSpill = now
 			s.spillStalled()
 		}
-		timer.Reset(s.shm.spaceWait << min(tries-yieldTries, 6))
+		st.spaceTimer.Reset(s.shm.spaceWait << min(tries-yieldTries, 6))
 		select {
-		case <-freed:
-		case <-timer.C:
+		case <-st.spaceCh:
+		case <-st.spaceTimer.C:
 		case <-st.closedCh:
 		case <-st.wdl.wait():
 		case <-s.dead:
@@ -187,28 +195,65 @@ func (st *Stream) withSpace(wait bool, try func(m *memory) error) error {
 	}
 }
 
+// spillEvery is how often, at most, a writer waiting for space copies out
+// the unread data of its session's stalled streams (spillStalled): at its
+// first wait, and then after each spillEvery of waiting. Its wakeups come
+// as fast as slices are freed, and a copy more often than that would copy
+// out data that its reader is about to take anyway.
+const spillEvery = 16 * time.Millisecond
+
 // yieldTries is how many times withSpace yields before it waits.
 const yieldTries = 16
 
-// watchSpace returns a channel that is closed once slices are freed here
-// or the peer's events harvested after this call, while the caller counts
-// in spaceWaiters.
-func (m *sharedMem) watchSpace() <-chan struct{} {
+// watchSpace lists st to be woken (on st.spaceCh) the next time slices
+// are freed here or the peer's events are harvested, while st counts in
+// spaceWaiters. A wakeup left over from an earlier wait only makes st try
+// once more.
+func (m *sharedMem) watchSpace(st *Stream) {
 	m.spaceMu.Lock()
 	defer m.spaceMu.Unlock()
-	return m.spaceFreed
+	if !st.spaceListed {
+		st.spaceListed = true
+		m.spaceListed = append(m.spaceListed, st)
+	}
+}
+
+// unwatchSpace takes st off the list of watchSpace, at the end of its
+// wait, so that the list holds no stream that no longer waits.
+func (m *sharedMem) unwatchSpace(st *Stream) {
+	m.spaceMu.Lock()
+	defer m.spaceMu.Unlock()
+	if !st.spaceListed {
+		return
+	}
+	st.spaceListed = false
+	for i, w := range m.spaceListed {
+		if w == st {
+			last := len(m.spaceListed) - 1
+			m.spaceListed[i], m.spaceListed[last] = m.spaceListed[last], nil
+			m.spaceListed = m.spaceListed[:last]
+			break
+		}
+	}
 }
 
 // noteFreed wakes the writers waiting for free slices, if any: slices were
 // freed on this side, or the peer's events harvested. One atomic load when
-// nobody waits.
+// nobody waits; it allocates nothing.
 func (m *sharedMem) noteFreed() {
 	if m.spaceWaiters.Load() == 0 {
 		return
 	}
 	m.spaceMu.Lock()
-	close(m.spaceFreed)
-	m.spaceFreed = make(chan struct{})
+	for i, st := range m.spaceListed {
+		st.spaceListed = false
+		select {
+		case st.spaceCh <- struct{}{}:
+		default:
+		}
+		m.spaceListed[i] = nil
+	}
+	m.spaceListed = m.spaceListed[:0]
 	m.spaceMu.Unlock()
 }
 

@@ -86,11 +86,11 @@ type sharedMem struct {
 	// spaceWaiters counts the writers that wait for free slices
 	// (Stream.withSpace). While there are any, whoever frees slices here,
 	// or harvests the peer's events (its reader frees what it read),
-	// wakes them all (noteFreed): spaceFreed is closed and replaced,
-	// under spaceMu.
+	// wakes those listed in spaceListed (noteFreed), under spaceMu. Each
+	// stream's channel (Stream.spaceCh) is listed at most once.
 	spaceWaiters atomic.Int32
 	spaceMu      sync.Mutex
-	spaceFreed   chan struct{}
+	spaceListed  []*Stream
 	// spaceWait is the first of withSpace's timed waits (4 µs); they
 	// double up to 64 times it. A test sets it long.
 	spaceWait time.Duration
@@ -203,7 +203,6 @@ func (m *sharedMem) init(mem *memory, c *Config) {
 	m.maxLinks = slices
 	m.pressureBytes = dataBytes / 4
 	m.heapTaken = make(chan struct{}, 1)
-	m.spaceFreed = make(chan struct{})
 	m.spaceWait = 4 * time.Microsecond
 	m.heapLimit = max(c.StreamHeapLimit, 0)
 	m.socketLimit = max(m.heapLimit, c.MaxMessageSize)

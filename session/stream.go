@@ -66,6 +66,13 @@ type Stream struct {
 	pending   []byte // reserved bytes that did not fit in shared memory
 	viaSocket bool   // data went as FallbackData: keep it there (see writeSome)
 	queued    bool   // events were put since the last FallbackData (see Session.writeFallback)
+	// spaceTimer bounds withSpace's waits, and spaceCh (cap 1) ends them
+	// when slices are freed (sharedMem.noteFreed); both are made at the
+	// stream's first wait for space and kept, so that waits allocate
+	// nothing. spaceListed is guarded by the session's shm.spaceMu.
+	spaceTimer  *time.Timer
+	spaceCh     chan struct{}
+	spaceListed bool
 }
 
 func newStream(s *Session, id uint32) *Stream {
