@@ -1,6 +1,7 @@
 package session
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"net"
@@ -217,10 +218,7 @@ func (s *Session) sendCtl(bufs net.Buffers, cancel <-chan struct{}, dl time.Time
 	case byDeadline && n == 0:
 		err = errDeadline
 	case byDeadline:
-		var rest []byte // at most one message: maxFallbackChunk and its header
-		for _, b := range bufs {
-			rest = append(rest, b...)
-		}
+		rest := bytes.Join(bufs, nil) // one message: maxFallbackChunk and its header at most
 		s.ctl.flushers.Add(1)
 		go s.flush(net.Buffers{rest})
 		return nil

@@ -925,11 +925,17 @@ func (st *Stream) learnPause(d time.Duration) {
 		mean = &st.pauseSleep
 	}
 	st.pauseWay = wayNone
+	addWait(mean, d)
+}
+
+// addWait adds a wait of d to the mean *mean, an EWMA of weight 1/8 that
+// starts at the first wait (at least 1 ns, so that 0 means "none yet").
+func addWait(mean *time.Duration, d time.Duration) {
 	if *mean == 0 {
 		*mean = max(d, 1)
-	} else {
-		*mean += (d - *mean) / 8
+		return
 	}
+	*mean += (d - *mean) / 8
 }
 
 // recordWait adds a wait of d to the stream's mean (an EWMA of weight 1/8;
@@ -951,11 +957,7 @@ func (st *Stream) recordWait(d time.Duration) {
 	if st.pauseWay != wayNone {
 		st.learnPause(d)
 	}
-	if st.waitEWMA == 0 {
-		st.waitEWMA = max(d, 1)
-		return
-	}
-	st.waitEWMA += (d - st.waitEWMA) / 8
+	addWait(&st.waitEWMA, d)
 }
 
 // Read reads up to len(p) bytes; see net.Conn. After the peer's Close it
