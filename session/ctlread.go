@@ -9,6 +9,7 @@ import (
 	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/shmlink/shmlink/internal/wire"
@@ -363,9 +364,10 @@ func (s *Session) ctlReadError(st *Stream, err error) (res ctlResult, again bool
 // failed. The peer may have put events (data, closes) and closed the
 // connection before its Polling went out (the Rust crate's
 // SessionManager::close does): at the connection's end they are delivered
-// first.
+// first. The end is io.EOF, or ECONNRESET when the peer closed with our
+// bytes unread (a Polling it had no reason to read, say).
 func (s *Session) readEnded(err error) {
-	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) {
 		if herr := s.harvest(); herr != nil && !errors.Is(herr, ErrSessionClosed) {
 			s.failOp("read", herr)
 			return

@@ -1,6 +1,8 @@
 package session
 
 import (
+	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"testing"
@@ -20,7 +22,7 @@ type truncClient struct {
 	mem    *memory
 	files  []*os.File // buffer, queue
 	server *Session
-	conn   *os.File
+	conn   *net.UnixConn
 	write  func([]byte) error
 }
 
@@ -82,7 +84,7 @@ func newTruncClient(t *testing.T, mt MemoryType, allowSealing bool) *truncClient
 	require.NoError(t, err)
 	server := <-done
 	require.NotNil(t, server)
-	tc := &truncClient{mem: mem, files: files, server: server,
+	tc := &truncClient{mem: mem, files: files, server: server, conn: cc,
 		write: func(b []byte) error { _, err := cc.Write(b); return err }}
 	t.Cleanup(func() {
 		server.Close()
@@ -152,6 +154,62 @@ func TestTruncatedMemory(t *testing.T) {
 			waitDone(t, tc.server.Done(), "the session's end")
 			require.ErrorContains(t, tc.server.Err(), "truncated")
 		})
+	}
+}
+
+// A peer that puts its close of a stream in the IO queue and then closes
+// the connection with our bytes unread makes our read fail with
+// ECONNRESET, not io.EOF; the close is still delivered. A stream we closed
+// first is forgotten with the session, whether the peer's close came
+// (queued) or not (dropped), not left tracked by the ended session.
+func TestResetAfterQueuedClose(t *testing.T) {
+	for _, mt := range []MemoryType{MemoryMemfd, MemoryFile} {
+		for _, queued := range []bool{true, false} {
+			name := mt.String() + "/queued"
+			if !queued {
+				name = mt.String() + "/dropped"
+			}
+			t.Run(name, func(t *testing.T) {
+				tc := newTruncClient(t, mt, false)
+				tc.send(t, 2, 100)
+				st := accept(t, tc.server)
+				_, err := st.Read(make([]byte, 100))
+				require.NoError(t, err)
+				tc.send(t, 4, 10) // stays open on our side
+				open := accept(t, tc.server)
+				_, err = open.Read(make([]byte, 10))
+				require.NoError(t, err)
+				// Our close goes out with a Polling the client never
+				// reads: that unread byte turns its close into a reset.
+				require.NoError(t, st.Close())
+				require.Equal(t, 2, tc.server.Stats().ActiveStreams, "2 routed until the client's close")
+				if queued {
+					require.NoError(t, tc.mem.send.Put(queue.Event{StreamID: 2, Status: 1}))
+					require.NoError(t, tc.mem.send.Put(queue.Event{StreamID: 4, Status: 1}))
+				}
+				raw, err := tc.conn.SyscallConn()
+				require.NoError(t, err)
+				waitFor(t, "our Polling reaches the client", func() bool {
+					n := 0
+					require.NoError(t, raw.Control(func(fd uintptr) {
+						n, err = unix.IoctlGetInt(int(fd), unix.SIOCINQ)
+					}))
+					return err == nil && n > 0
+				})
+				require.NoError(t, tc.conn.Close())
+				waitDone(t, tc.server.Done(), "the session's end")
+				require.ErrorIs(t, tc.server.Err(), ErrPeerClosed)
+				_, err = open.Read(make([]byte, 1))
+				if queued {
+					require.ErrorIs(t, err, io.EOF, "the peer's close was delivered")
+				} else {
+					require.ErrorIs(t, err, ErrPeerClosed)
+				}
+				require.Equal(t, 1, tc.server.Stats().ActiveStreams, "the open stream")
+				require.NoError(t, open.Close())
+				require.Equal(t, 0, tc.server.Stats().ActiveStreams)
+			})
+		}
 	}
 }
 

@@ -454,6 +454,13 @@ func (s *Session) fail(err error) {
 		if s.idle.timer != nil {
 			s.idle.timer.Stop()
 		}
+		// A stream closed here stays routed until the peer's close, which
+		// will not come now; one closed from here on sees s.err (Close).
+		for id, st := range s.tab.routed {
+			if _, ok := s.tab.live[st]; !ok {
+				delete(s.tab.routed, id)
+			}
+		}
 		s.mu.Unlock()
 		s.tk.stop()
 		s.stopKeepAlive()

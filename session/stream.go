@@ -280,12 +280,16 @@ func (st *Stream) Close() error {
 		st.sendClose(viaSocket)
 	}
 	s := st.s
-	if s.Err() != nil {
-		s.unroute(st, false) // no close will come from the peer
-	} else if s.isClient {
+	if s.isClient && s.Err() == nil {
 		s.forgetClosed(st)
 	}
 	s.forgetLive(st)
+	// After forgetLive: a session that ends from here on forgets st with
+	// the other streams no longer live (fail), one that ended before is
+	// seen here.
+	if s.Err() != nil {
+		s.unroute(st, false) // no close will come from the peer
+	}
 	return nil
 }
 
