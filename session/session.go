@@ -403,7 +403,10 @@ func (s *Session) Close() error {
 	for _, st := range s.liveStreams() {
 		st.Close()
 	}
-	// Streams closed earlier were waiting for the peer's close: forget them.
+	// fail forgot the streams closed earlier, and each Close above
+	// unrouted its own; what is left is a stream whose Close runs
+	// concurrently and would unroute it a moment later: forget it now, so
+	// that the session counts no stream once Close returns.
 	s.mu.Lock()
 	clear(s.tab.routed)
 	s.mu.Unlock()
