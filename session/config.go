@@ -184,13 +184,15 @@ type Config struct {
 	// lease) until no reader has polled for 16 to 32 ms (20 to 40 ms on a
 	// client; at least PollTime), unless another reader sleeps: events for
 	// streams nobody is reading wait that long at most, and no reader
-	// waits on them (docs/protocol.md sections 12, 12.2). A stream whose recent waits ran
-	// longer than 4 PollTimes (a server between requests that come in
-	// gaps) stops polling, since its data never comes within a poll, and
-	// polls only in one wait of 16 until its waits shorten again; waits
-	// that slept only because the peer slept too (a wakeup's time) keep
-	// polling. Default 50 µs, at most 10 ms; negative turns polling off
-	// (every wait sleeps, every message after a pause costs a wakeup).
+	// waits on them (docs/protocol.md sections 12, 12.2). A stream whose
+	// recent waits ran longer than 4 PollTimes on average (a server
+	// between requests that come in gaps), or, on a host with an idle
+	// CPU, whose last 8 waits each outlasted PollTime (answers a few
+	// PollTimes away), stops polling, since its data does not come within
+	// a poll, and polls only in one wait of 16 until its waits shorten
+	// again (sections 12.1, 12.6). Default 50 µs, at most 10 ms; negative
+	// turns polling off (every wait sleeps, every message after a pause
+	// costs a wakeup).
 	PollTime time.Duration
 
 	// StreamMemoryLimit is how many bytes of the buffer region one stream's

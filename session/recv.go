@@ -818,6 +818,19 @@ const (
 	// that always misses (requests 100 µs apart: more than a PollTime,
 	// less than longWaits) does not.
 	busyMisses = 4
+	// vainPolls is how many waits in a row must have outlasted PollTime
+	// for a reader on a host with an idle CPU (hostHasIdleCPU) to stop
+	// polling, as for long waits: answers that take a few PollTimes (a
+	// gRPC call that builds and parses 64 KB, requests 100 µs apart) are
+	// never caught by a poll, which then only burns its CPU. Its probes
+	// (one wait in probeEvery) resume polling once one of them ends within
+	// PollTime. On a busy host the rule made things worse: there a run of
+	// misses is mostly a peer that lost its CPU for a while, and a reader
+	// that sleeps is woken late (gRPC unary calls with a busy loop on
+	// every CPU caught a third to a half as many answers by polling, and
+	// took a median 1.5 times as long). Waits after a pause keep their own
+	// rule (pauseBudget).
+	vainPolls = 8
 )
 
 // coldWake reports whether a wait that begins at start follows a cold
@@ -853,8 +866,10 @@ func (st *Stream) afterPause(start time.Time) bool {
 //     whichever such waits of the stream recently found quicker
 //     (pauseBudget; docs/protocol.md section 12.5);
 //   - when the stream's recent waits were long (a server between requests
-//     that arrive in gaps; longWaits), it sleeps at once instead of burning
-//     the CPU for nothing, and polls once in probeEvery waits.
+//     that arrive in gaps; longWaits), or, on a host with an idle CPU, its
+//     last vainPolls waits each outlasted PollTime (answers a few
+//     PollTimes away), it sleeps at once instead of burning the CPU for
+//     nothing, and polls once in probeEvery waits.
 //
 // The caller holds rmu.
 func (st *Stream) spinBudget(cold, paused bool) time.Duration {
@@ -863,11 +878,16 @@ func (st *Stream) spinBudget(cold, paused bool) time.Duration {
 	if limit > 0 && cold && hostBusy() {
 		return 0
 	}
-	if limit <= 0 || st.waitEWMA <= longWaits*limit {
-		if paused && limit > 0 {
+	if limit <= 0 {
+		return limit
+	}
+	if st.waitEWMA <= longWaits*limit {
+		if paused {
 			return st.pauseBudget(limit)
 		}
-		return limit
+		if st.missRun < vainPolls || !hostHasIdleCPU() {
+			return limit
+		}
 	}
 	if st.waitSkips++; st.waitSkips >= probeEvery {
 		st.waitSkips = 0
@@ -949,7 +969,7 @@ func (st *Stream) recordWait(d time.Duration) {
 		return // no polling to tune
 	}
 	if d > limit {
-		st.missRun = min(st.missRun+1, busyMisses)
+		st.missRun = min(st.missRun+1, vainPolls)
 	} else {
 		st.missRun = 0
 	}

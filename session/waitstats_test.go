@@ -137,3 +137,54 @@ func TestPauseBudget(t *testing.T) {
 	require.LessOrEqual(t, off.spinBudget(true, true), time.Duration(0), "PollTime < 0: no polling")
 	require.Equal(t, wayNone, off.pauseWay)
 }
+
+// forceIdleCPU makes the host count as having an idle CPU for the rest of
+// the test, whatever /proc/stat says (see forceHost).
+func forceIdleCPU(t *testing.T) {
+	h := &hostIdle
+	h.mu.Lock()
+	at := h.at
+	h.at = time.Now().Add(time.Hour) // no session's timer samples meanwhile
+	h.mu.Unlock()
+	until := h.until.Swap(time.Now().Add(time.Hour).UnixNano())
+	t.Cleanup(func() {
+		h.mu.Lock()
+		h.at = at
+		h.mu.Unlock()
+		h.until.Store(until)
+	})
+}
+
+// On a host with an idle CPU, a stream whose last vainPolls waits each
+// outlasted PollTime (answers a few PollTimes away, whose mean alone keeps
+// it polling) sleeps at once, and polls once in probeEvery waits; a wait
+// within PollTime ends that. Where the host is not known to have an idle
+// CPU, the same waits keep polling.
+func TestVainPolls(t *testing.T) {
+	const limit = 50 * time.Microsecond
+	st := &Stream{s: &Session{cfg: Config{PollTime: limit}}}
+	for range 2 * vainPolls {
+		st.recordWait(3 * limit)
+	}
+	require.Equal(t, limit, st.spinBudget(false, false), "no idle CPU known: polls")
+
+	forceIdleCPU(t)
+	st = &Stream{s: &Session{cfg: Config{PollTime: limit}}}
+	for i := range vainPolls {
+		require.Equal(t, limit, st.spinBudget(false, false), "after %d waits of 3 PollTimes", i)
+		st.recordWait(3 * limit)
+	}
+	require.LessOrEqual(t, st.waitEWMA, longWaits*limit, "the mean alone would keep polling")
+	polls := 0
+	for range 4 * probeEvery {
+		if st.spinBudget(false, false) > 0 {
+			polls++
+		}
+		st.recordWait(3 * limit)
+	}
+	require.Equal(t, 4, polls, "one probe in probeEvery waits")
+	require.True(t, st.selfWake(st.spinBudget(false, false)), "a wait that does not poll reads the connection itself")
+
+	st.recordWait(limit / 2) // a probe caught its answer
+	require.Equal(t, limit, st.spinBudget(false, false), "polls again")
+}
