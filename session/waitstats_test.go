@@ -57,7 +57,9 @@ func TestWaitStats(t *testing.T) {
 // spinBudget polls for PollTime unless the stream's waits ran longer than
 // longWaits PollTimes: then only one wait in probeEvery polls, and the
 // mean comes back down within a dozen quick waits. Waits that slept for a
-// wakeup's time keep polling.
+// wakeup's time keep polling by this rule; on a host known to have an idle
+// CPU, a run of them stops it (vainPolls, TestVainPolls), and the package's
+// tests run with no such host (TestMain).
 func TestSpinBudget(t *testing.T) {
 	const limit = 50 * time.Microsecond
 	st := &Stream{s: &Session{cfg: Config{PollTime: limit}}}
