@@ -115,26 +115,32 @@ func TestExpectReply(t *testing.T) {
 	require.Equal(t, byte('r'), buf[0])
 }
 
-// forceHost makes the host count as busy (no idle CPU) or not for the rest
-// of the test, whatever /proc/stat says: the last sample is dated an hour
-// ahead, so no session's timer samples meanwhile.
-func forceHost(t *testing.T, busy bool) {
+// pinHostSample dates the last host sample an hour ahead for the rest of
+// the test, so that no session's timer samples meanwhile and a state the
+// test forces (forceHost, forceIdleCPU) stays.
+func pinHostSample(t *testing.T) {
 	h := &hostIdle
 	h.mu.Lock()
 	at := h.at
 	h.at = time.Now().Add(time.Hour)
 	h.mu.Unlock()
-	until := int64(0)
-	if busy {
-		until = time.Now().Add(time.Hour).UnixNano()
-	}
-	h.busyUntil.Store(until)
 	t.Cleanup(func() {
 		h.mu.Lock()
 		h.at = at
 		h.mu.Unlock()
-		h.busyUntil.Store(0)
 	})
+}
+
+// forceHost makes the host count as busy (no idle CPU) or not for the rest
+// of the test, whatever /proc/stat says (pinHostSample).
+func forceHost(t *testing.T, busy bool) {
+	pinHostSample(t)
+	until := int64(0)
+	if busy {
+		until = time.Now().Add(time.Hour).UnixNano()
+	}
+	hostIdle.busyUntil.Store(until)
+	t.Cleanup(func() { hostIdle.busyUntil.Store(0) })
 }
 
 // A reader that has just woken its peer from a sleep (a request after a

@@ -141,20 +141,11 @@ func TestPauseBudget(t *testing.T) {
 }
 
 // forceIdleCPU makes the host count as having an idle CPU for the rest of
-// the test, whatever /proc/stat says (see forceHost).
+// the test, whatever /proc/stat says (pinHostSample).
 func forceIdleCPU(t *testing.T) {
-	h := &hostIdle
-	h.mu.Lock()
-	at := h.at
-	h.at = time.Now().Add(time.Hour) // no session's timer samples meanwhile
-	h.mu.Unlock()
-	until := h.until.Swap(time.Now().Add(time.Hour).UnixNano())
-	t.Cleanup(func() {
-		h.mu.Lock()
-		h.at = at
-		h.mu.Unlock()
-		h.until.Store(until)
-	})
+	pinHostSample(t)
+	until := hostIdle.until.Swap(time.Now().Add(time.Hour).UnixNano())
+	t.Cleanup(func() { hostIdle.until.Store(until) })
 }
 
 // On a host with an idle CPU, a stream whose last vainPolls waits each
