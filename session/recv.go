@@ -1282,12 +1282,13 @@ const spinBatch = 64
 // receive queue itself, dispatching what it pops to every stream, for as
 // long as events keep coming and then budget more (counted from start, the
 // wait's beginning on the monoNow clock, until the first event:
-// spinBudget). Meanwhile it holds the queue's working flag at 1, so the
-// peer sends no Polling (docs/protocol.md section 3.3): while traffic
-// flows a message costs no system call and no goroutine switch on either
-// side. One reader per session spins; spin returns false at once in the
-// others, and when its time runs out; true when st may be readable, ended,
-// closed or past its read deadline.
+// spinBudget). Meanwhile it
+// holds the queue's working flag at 1, so the peer sends no Polling
+// (docs/protocol.md section 3.3): while traffic flows a message costs no
+// system call and no goroutine switch on either side. One reader per
+// session spins; spin returns false at once in the others, and when its
+// time runs out; true when st may be readable, ended, closed or past its
+// read deadline.
 func (st *Stream) spin(want int, budget, start time.Duration) bool {
 	s := st.s
 	if budget <= 0 || !s.rx.spinning.CompareAndSwap(false, true) {
