@@ -218,7 +218,9 @@ func (s *Session) recvLoop() {
 		close(s.rx.done)
 		s.unmapIfUnused()
 	}()
-	in.tok.Lock()
+	if !in.loopTake() {
+		in.tok.Lock() // a reader got there first: the loop waits its turn
+	}
 	for {
 		in.taken()
 		in.kickMu.Lock()
@@ -237,13 +239,30 @@ func (s *Session) recvLoop() {
 		for taken := false; !taken; {
 			select {
 			case <-in.bgWake:
-				taken = in.tok.TryLock()
+				taken = in.loopTake()
 			case <-s.dead:
 				in.tok.Lock()
 				taken = true
 			}
 		}
 	}
+}
+
+// loopTake takes tok for the receive loop if it is free, and records that
+// the loop holds it (loopHas) in the same critical section of kickMu. A
+// reader whose TryLock of tok fails then sees loopHas and asks the loop to
+// let go (pump). Were loopHas set later, a reader could come in between,
+// take the holder for another reader, and sleep: its wait would take the
+// receive loop's extra wakeup, and its needReader a stale bgWake that
+// makes the loop take the connection back from the next reader it frees.
+func (in *ctlIn) loopTake() bool {
+	in.kickMu.Lock()
+	defer in.kickMu.Unlock()
+	if !in.tok.TryLock() {
+		return false
+	}
+	in.loopHas = true
+	return true
 }
 
 // readCtl reads and handles control messages, holding tok: for the
