@@ -119,7 +119,7 @@ func TestBusyHostSelfWake(t *testing.T) {
 		// (spinBudget), and a read that ended just now, so no wait
 		// follows a cold wakeup of the server (coldWake).
 		c.waitEWMA = cfg.PollTime
-		c.lastRead.Store(time.Now().UnixNano())
+		c.lastRead.Store(int64(monoNow()))
 		before := client.Stats()
 		done := readAsync(c, got)
 		if i < busyMisses {

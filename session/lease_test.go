@@ -158,11 +158,11 @@ func TestColdWakeSleeps(t *testing.T) {
 	exchange := func(busy, warm bool) (spun, slept bool) {
 		forceHost(t, busy)
 		server.settle() // asleep: the request costs a Polling
-		last := time.Now().Add(-2 * cfg.PollTime)
+		last := monoNow() - 2*cfg.PollTime
 		if warm {
-			last = time.Now()
+			last = monoNow()
 		}
-		c.lastRead.Store(last.UnixNano())
+		c.lastRead.Store(int64(last))
 		before := client.Stats()
 		_, err := c.Write([]byte{'q'})
 		require.NoError(t, err)

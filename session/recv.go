@@ -649,7 +649,7 @@ func (st *Stream) startRead() {
 func (st *Stream) endRead() {
 	st.reads++
 	if st.waited || st.reads%stampEvery == 0 {
-		st.lastRead.Store(time.Now().UnixNano())
+		st.lastRead.Store(int64(monoNow()))
 		st.waited = false
 	}
 	st.inRead.Store(false)
@@ -668,7 +668,7 @@ const stallTime = time.Millisecond
 // stalled reports whether the stream's reader has stayed out of every read
 // call for stallTime: it does not read, for now, what it has.
 func (st *Stream) stalled() bool {
-	return !st.inRead.Load() && time.Now().UnixNano()-st.lastRead.Load() > int64(stallTime)
+	return !st.inRead.Load() && int64(monoNow())-st.lastRead.Load() > int64(stallTime)
 }
 
 // whenReadable waits until want bytes are buffered, or fewer but some once
@@ -736,11 +736,11 @@ func (st *Stream) waitForData(want int) error {
 	default:
 	}
 	st.waited = true
-	start := time.Now()
+	start := monoNow()
 	cold := st.coldWake(start)
 	budget := st.spinBudget(cold, cold && st.afterPause(start))
 	if st.spin(want, budget, start) {
-		st.recordWait(time.Since(start))
+		st.recordWait(monoNow() - start)
 		return nil
 	}
 	// About to sleep until a Polling comes: end any lease of the working
@@ -761,14 +761,14 @@ func (st *Stream) waitForData(want int) error {
 			ok, ask := st.pump(want)
 			if ok {
 				s.ctr.selfWakes.Add(1)
-				st.recordWait(time.Since(start))
+				st.recordWait(monoNow() - start)
 				return nil
 			}
 			asked = asked || ask
 		}
 		select {
 		case <-st.readCh:
-			st.recordWait(time.Since(start))
+			st.recordWait(monoNow() - start)
 		case <-s.dead:
 		case <-st.closedCh:
 		case <-st.rdl.wait():
@@ -833,27 +833,27 @@ const (
 	vainPolls = 8
 )
 
-// coldWake reports whether a wait that begins at start follows a cold
-// wakeup of the peer: the session sent the peer a Polling less than
+// coldWake reports whether a wait that begins at start (monoNow) follows a
+// cold wakeup of the peer: the session sent the peer a Polling less than
 // PollTime ago, and the stream's last read call ended more than PollTime
 // before start (as endRead stamps it: after a read that waited, and every
 // stampEvery reads), so the peer had been asleep a while. A request after
 // a pause does that; a turn of a ping-pong does not, even when it costs a
 // Polling. The caller holds rmu.
-func (st *Stream) coldWake(start time.Time) bool {
+func (st *Stream) coldWake(start time.Duration) bool {
 	s := st.s
-	return s.cfg.PollTime > 0 && s.wokePeer() &&
-		start.UnixNano()-st.lastRead.Load() > int64(s.cfg.PollTime)
+	return s.cfg.PollTime > 0 &&
+		int64(start)-st.lastRead.Load() > int64(s.cfg.PollTime) && s.wokePeerAt(start)
 }
 
-// afterPause reports whether a wait that begins at start, after a cold
-// wakeup of the peer (coldWake), follows a pause: the stream's last read
-// call ended more than longWaits PollTimes before start. The peer had then
-// been asleep long enough for its CPU to go idle, and its answer takes at
-// least a wakeup. A turn of busy traffic does not qualify, even when the
+// afterPause reports whether a wait that begins at start (monoNow), after a
+// cold wakeup of the peer (coldWake), follows a pause: the stream's last
+// read call ended more than longWaits PollTimes before start. The peer had
+// then been asleep long enough for its CPU to go idle, and its answer takes
+// at least a wakeup. A turn of busy traffic does not qualify, even when the
 // reader's own goroutine came back late. The caller holds rmu.
-func (st *Stream) afterPause(start time.Time) bool {
-	return start.UnixNano()-st.lastRead.Load() > int64(longWaits*st.s.cfg.PollTime)
+func (st *Stream) afterPause(start time.Duration) bool {
+	return int64(start)-st.lastRead.Load() > int64(longWaits*st.s.cfg.PollTime)
 }
 
 // spinBudget returns how long the next wait polls before it sleeps:
@@ -1281,14 +1281,14 @@ const spinBatch = 64
 // spin waits for want bytes (or the stream's end) by spinning on the
 // receive queue itself, dispatching what it pops to every stream, for as
 // long as events keep coming and then budget more (counted from start, the
-// wait's beginning, until the first event: spinBudget). Meanwhile it
-// holds the queue's working flag at 1, so the peer sends no Polling
-// (docs/protocol.md section 3.3): while traffic flows a message costs no
-// system call and no goroutine switch on either side. One reader per
-// session spins; spin returns false at once in the others, and when its
-// time runs out; true when st may be readable, ended, closed or past its
-// read deadline.
-func (st *Stream) spin(want int, budget time.Duration, start time.Time) bool {
+// wait's beginning on the monoNow clock, until the first event:
+// spinBudget). Meanwhile it holds the queue's working flag at 1, so the
+// peer sends no Polling (docs/protocol.md section 3.3): while traffic
+// flows a message costs no system call and no goroutine switch on either
+// side. One reader per session spins; spin returns false at once in the
+// others, and when its time runs out; true when st may be readable, ended,
+// closed or past its read deadline.
+func (st *Stream) spin(want int, budget, start time.Duration) bool {
 	s := st.s
 	if budget <= 0 || !s.rx.spinning.CompareAndSwap(false, true) {
 		return false
@@ -1318,9 +1318,10 @@ func (st *Stream) spin(want int, budget time.Duration, start time.Time) bool {
 			return true
 		default:
 		}
-		if now := time.Now(); harvested {
+		now := monoNow()
+		if harvested {
 			idleSince = now
-		} else if now.Sub(idleSince) > budget {
+		} else if now-idleSince > budget {
 			s.ctr.spinMisses.Add(1)
 			return false
 		}
@@ -1329,7 +1330,7 @@ func (st *Stream) spin(want int, budget time.Duration, start time.Time) bool {
 		// per spin: the peer then runs until it sleeps again.
 		if !asked {
 			asked = true
-			if s.peerWaking() {
+			if s.peerWaking(now) {
 				yieldCPU()
 				continue
 			}
@@ -1339,19 +1340,19 @@ func (st *Stream) spin(want int, budget time.Duration, start time.Time) bool {
 	}
 }
 
-// wokePeer reports whether this session sent the peer a Polling less than
-// PollTime ago: the peer is waking.
-func (s *Session) wokePeer() bool {
-	return s.tk.now()-time.Duration(s.ctl.wokeAt.Load()) < s.cfg.PollTime
+// wokePeerAt reports whether this session sent the peer a Polling less
+// than PollTime before now (monoNow): the peer is waking.
+func (s *Session) wokePeerAt(now time.Duration) bool {
+	return now-time.Duration(s.ctl.wokeAt.Load()) < s.cfg.PollTime
 }
 
 // peerWaking reports whether a spinning reader gives its CPU up to the
 // peer, once per spin, rather than to the process's other goroutines
-// (docs/protocol.md section 12.3): a Polling went out less than PollTime ago, so the peer is
-// waking, and the host has an idle CPU, so the CPU goes to the peer and
-// not to another busy process.
-func (s *Session) peerWaking() bool {
-	return s.wokePeer() && hostHasIdleCPU()
+// (docs/protocol.md section 12.3): a Polling went out less than PollTime
+// before now (monoNow), so the peer is waking, and the host has an idle
+// CPU, so the CPU goes to the peer and not to another busy process.
+func (s *Session) peerWaking(now time.Duration) bool {
+	return s.wokePeerAt(now) && hostHasIdleCPU()
 }
 
 // yieldCPU gives the thread's CPU to another runnable thread, if any, and

@@ -59,7 +59,7 @@ type Stream struct {
 	pauseWaits uint32
 	pauseWay   waitWay
 	inRead     atomic.Bool  // a read call is running (read by the receive loop)
-	lastRead   atomic.Int64 // when a recent read call ended, Unix ns (see endRead)
+	lastRead   atomic.Int64 // when a recent read call ended, monoNow in ns (see endRead)
 
 	// Write side, guarded by wmu: one write call at a time.
 	wmu       sync.Mutex

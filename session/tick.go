@@ -34,7 +34,6 @@ import (
 // takes it back (section 12.1), and a lease lasts up to two of them.
 type ticker struct {
 	standby time.Duration // the longest period
-	epoch   time.Time     // origin of now
 	timer   *time.Timer
 	armed   atomic.Bool // timer runs
 	busy    atomic.Bool // something to look after happened since the last tick
@@ -53,15 +52,26 @@ const standbyTick = 16 * time.Millisecond
 // standby period if it is longer than standbyTick.
 func (tk *ticker) init(s *Session, handBack time.Duration) {
 	tk.standby = max(standbyTick, handBack)
-	tk.epoch = time.Now()
 	tk.timer = time.AfterFunc(time.Hour, s.tick)
 	tk.timer.Stop()
 }
 
-// now returns the time since the session began, at least 1 ns, so that 0
-// can mean "not set".
+// now returns monoNow: the ticker's times and the stamps it compares them
+// with share one clock.
 func (tk *ticker) now() time.Duration {
-	return max(time.Since(tk.epoch), 1)
+	return monoNow()
+}
+
+// clockBase is the origin of monoNow.
+var clockBase = time.Now()
+
+// monoNow returns the time since the package was loaded, from the monotonic
+// clock only, at least 1 ns, so that 0 can mean "not set". The read paths
+// stamp their waits and read calls with it: time.Now reads the wall clock
+// as well, and took 44 ns against 24 ns here (AMD EPYC VM, vDSO with the
+// tsc clocksource), several times per waited read.
+func monoNow() time.Duration {
+	return max(time.Since(clockBase), 1)
 }
 
 // poke tells the ticker that there is something to look after, and arms
