@@ -13,9 +13,26 @@ type deadline struct {
 	at     time.Time // the deadline; zero: none
 	timer  *time.Timer
 	cancel chan struct{} // closed when the deadline passes
+	// notify, if not nil, is a channel of capacity 1 signalled after
+	// cancel is closed: a reader that sleeps on its stream's readCh alone
+	// wakes for the deadline too (Stream.waitForData).
+	notify chan struct{}
 }
 
-func makeDeadline() deadline { return deadline{cancel: make(chan struct{})} }
+// makeDeadline returns a deadline without one set; notify, if not nil,
+// is signalled whenever the deadline passes (see deadline.notify).
+func makeDeadline(notify chan struct{}) deadline {
+	return deadline{cancel: make(chan struct{}), notify: notify}
+}
+
+// expire closes cancel, the channel of a deadline that passed, then
+// signals notify.
+func (d *deadline) expire(cancel chan struct{}) {
+	close(cancel)
+	if d.notify != nil {
+		signal(d.notify)
+	}
+}
 
 // set moves the deadline to t; the zero time means none. A time in the past
 // closes the channel at once.
@@ -39,11 +56,11 @@ func (d *deadline) set(t time.Time) {
 			d.cancel = make(chan struct{})
 		}
 		cancel := d.cancel
-		d.timer = time.AfterFunc(dur, func() { close(cancel) })
+		d.timer = time.AfterFunc(dur, func() { d.expire(cancel) })
 		return
 	}
 	if !closed {
-		close(d.cancel)
+		d.expire(d.cancel)
 	}
 }
 

@@ -14,7 +14,7 @@ import (
 // test binary panicked within a few thousand rounds.
 func TestDeadlineStopThenSet(t *testing.T) {
 	for i := range 20000 {
-		d := makeDeadline()
+		d := makeDeadline(nil)
 		wait := time.Duration(i%20) * time.Microsecond
 		d.set(time.Now().Add(wait))
 		for start := time.Now(); time.Since(start) < wait; {
@@ -26,5 +26,35 @@ func TestDeadlineStopThenSet(t *testing.T) {
 		} else {
 			d.set(time.Now().Add(wait)) // a new timer
 		}
+	}
+}
+
+// A deadline with a notify channel signals it whenever it passes: set in
+// the past at once, set in the future when its timer fires, and not when
+// it is moved or cleared before that. A reader that sleeps on its
+// stream's readCh alone counts on it (Stream.waitForData).
+func TestDeadlineNotifies(t *testing.T) {
+	notify := make(chan struct{}, 1)
+	d := makeDeadline(notify)
+	d.set(time.Now().Add(time.Hour))
+	d.set(time.Time{})
+	if len(notify) != 0 {
+		t.Fatal("a deadline moved or cleared before it passed signalled notify")
+	}
+
+	d.set(time.Now().Add(-time.Second))
+	if len(notify) != 1 {
+		t.Fatal("a deadline set in the past did not signal notify")
+	}
+	<-notify
+
+	d.set(time.Now().Add(time.Millisecond))
+	select {
+	case <-notify:
+	case <-time.After(10 * time.Second):
+		t.Fatal("a deadline that passed did not signal notify within 10 s")
+	}
+	if !isClosedChan(d.wait()) {
+		t.Fatal("notify came before the deadline's channel was closed")
 	}
 }

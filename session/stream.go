@@ -32,7 +32,10 @@ type Stream struct {
 	mu    sync.Mutex
 	state streamState // changes only in transition
 	recvBuf
-	readCh   chan struct{} // cap 1: data or state arrived
+	// readCh (cap 1) is signalled when data or state arrived, and after
+	// closedCh, the session's dead or the read deadline's channel closed:
+	// a reader sleeps on it alone (waitForData).
+	readCh   chan struct{}
 	closedCh chan struct{} // closed by the transition to closed
 	rdl, wdl deadline
 
@@ -77,14 +80,15 @@ type Stream struct {
 }
 
 func newStream(s *Session, id uint32) *Stream {
-	return &Stream{
+	st := &Stream{
 		s:        s,
 		id:       id,
 		readCh:   make(chan struct{}, 1),
 		closedCh: make(chan struct{}),
-		rdl:      makeDeadline(),
-		wdl:      makeDeadline(),
+		wdl:      makeDeadline(nil),
 	}
+	st.rdl = makeDeadline(st.readCh)
+	return st
 }
 
 // streamState is where a stream is in its life: which of its two ends are
@@ -152,6 +156,7 @@ func (st *Stream) transition(ev streamEvent, onSocket bool) (act streamActions, 
 		}
 		st.state |= stClosed | stWriteClosed
 		close(st.closedCh)
+		signal(st.readCh)
 		act.sendClose = !old.has(stWriteClosed)
 	case evCloseWrite:
 		if old&(stClosed|stWriteClosed) != 0 {
