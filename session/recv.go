@@ -649,8 +649,12 @@ func (st *Stream) startRead() {
 func (st *Stream) endRead() {
 	st.reads++
 	if st.waited || st.reads%stampEvery == 0 {
-		st.lastRead.Store(int64(monoNow()))
-		st.waited = false
+		end := st.waitEnd // the wait's end (endWait): a copy ago at most
+		if end == 0 {
+			end = monoNow()
+		}
+		st.lastRead.Store(int64(end))
+		st.waited, st.waitEnd = false, 0
 	}
 	st.inRead.Store(false)
 	st.rmu.Unlock()
@@ -740,7 +744,7 @@ func (st *Stream) waitForData(want int) error {
 	cold := st.coldWake(start)
 	budget := st.spinBudget(cold, cold && st.afterPause(start))
 	if st.spin(want, budget, start) {
-		st.recordWait(monoNow() - start)
+		st.endWait(start)
 		return nil
 	}
 	// About to sleep until a Polling comes: end any lease of the working
@@ -761,7 +765,7 @@ func (st *Stream) waitForData(want int) error {
 			ok, ask := st.pump(want)
 			if ok {
 				s.ctr.selfWakes.Add(1)
-				st.recordWait(monoNow() - start)
+				st.endWait(start)
 				return nil
 			}
 			asked = asked || ask
@@ -779,7 +783,7 @@ func (st *Stream) waitForData(want int) error {
 				continue // the receive loop let go of the connection
 			}
 		}
-		st.recordWait(monoNow() - start)
+		st.endWait(start)
 		if asked {
 			s.rx.in.withdraw()
 		}
@@ -961,6 +965,15 @@ func addWait(mean *time.Duration, d time.Duration) {
 		return
 	}
 	*mean += (d - *mean) / 8
+}
+
+// endWait records the end of a wait that began at start (monoNow): its
+// length (recordWait), and its end, which endRead takes as the read
+// call's end rather than read the clock again. The caller holds rmu.
+func (st *Stream) endWait(start time.Duration) {
+	now := monoNow()
+	st.waitEnd = now
+	st.recordWait(now - start)
 }
 
 // recordWait adds a wait of d to the stream's mean (an EWMA of weight 1/8;

@@ -43,6 +43,9 @@ type Stream struct {
 	rmu    sync.Mutex
 	reads  uint64 // read calls ended
 	waited bool   // the current read call waited for data
+	// waitEnd is when the current read call's last wait ended (monoNow;
+	// 0: none): endRead stamps lastRead with it (see endWait).
+	waitEnd time.Duration
 	// waitEWMA is the recent waits' mean length, in ns (0: none yet), and
 	// waitSkips counts the waits that did not poll since the last that did
 	// (see spinBudget); missRun counts the latest waits in a row that
