@@ -2,6 +2,7 @@ package session
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -13,16 +14,29 @@ type deadline struct {
 	at     time.Time // the deadline; zero: none
 	timer  *time.Timer
 	cancel chan struct{} // closed when the deadline passes
+	// cur is cancel for wait, which reads it without mu: the read paths
+	// check the deadline on every wait and every spinBatch polls.
+	cur atomic.Pointer[chan struct{}]
 	// notify, if not nil, is a channel of capacity 1 signalled after
 	// cancel is closed: a reader that sleeps on its stream's readCh alone
 	// wakes for the deadline too (Stream.waitForData).
 	notify chan struct{}
 }
 
-// makeDeadline returns a deadline without one set; notify, if not nil,
-// is signalled whenever the deadline passes (see deadline.notify).
-func makeDeadline(notify chan struct{}) deadline {
-	return deadline{cancel: make(chan struct{}), notify: notify}
+// init readies d, without a deadline set; notify, if not nil, is
+// signalled whenever the deadline passes (see deadline.notify). d is not
+// in use yet.
+func (d *deadline) init(notify chan struct{}) {
+	d.notify = notify
+	d.newCancel()
+}
+
+// newCancel makes a new channel for the deadline to close. The caller
+// holds mu, or d is not in use yet.
+func (d *deadline) newCancel() {
+	c := make(chan struct{})
+	d.cancel = c
+	d.cur.Store(&c)
 }
 
 // expire closes cancel, the channel of a deadline that passed, then
@@ -47,13 +61,13 @@ func (d *deadline) set(t time.Time) {
 	closed := isClosedChan(d.cancel)
 	if t.IsZero() {
 		if closed {
-			d.cancel = make(chan struct{})
+			d.newCancel()
 		}
 		return
 	}
 	if dur := time.Until(t); dur > 0 {
 		if closed {
-			d.cancel = make(chan struct{})
+			d.newCancel()
 		}
 		cancel := d.cancel
 		d.timer = time.AfterFunc(dur, func() { d.expire(cancel) })
@@ -71,11 +85,10 @@ func (d *deadline) when() (time.Time, chan struct{}) {
 	return d.at, d.cancel
 }
 
-// wait returns the channel closed when the deadline passes.
+// wait returns the channel closed when the deadline passes. It takes no
+// lock.
 func (d *deadline) wait() chan struct{} {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.cancel
+	return *d.cur.Load()
 }
 
 // stop releases the timer. Like set, it waits for a timer that has

@@ -14,7 +14,8 @@ import (
 // test binary panicked within a few thousand rounds.
 func TestDeadlineStopThenSet(t *testing.T) {
 	for i := range 20000 {
-		d := makeDeadline(nil)
+		var d deadline
+		d.init(nil)
 		wait := time.Duration(i%20) * time.Microsecond
 		d.set(time.Now().Add(wait))
 		for start := time.Now(); time.Since(start) < wait; {
@@ -35,7 +36,8 @@ func TestDeadlineStopThenSet(t *testing.T) {
 // stream's readCh alone counts on it (Stream.waitForData).
 func TestDeadlineNotifies(t *testing.T) {
 	notify := make(chan struct{}, 1)
-	d := makeDeadline(notify)
+	var d deadline
+	d.init(notify)
 	d.set(time.Now().Add(time.Hour))
 	d.set(time.Time{})
 	if len(notify) != 0 {

@@ -88,9 +88,9 @@ func newStream(s *Session, id uint32) *Stream {
 		id:       id,
 		readCh:   make(chan struct{}, 1),
 		closedCh: make(chan struct{}),
-		wdl:      makeDeadline(nil),
 	}
-	st.rdl = makeDeadline(st.readCh)
+	st.rdl.init(st.readCh)
+	st.wdl.init(nil)
 	return st
 }
 
