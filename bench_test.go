@@ -31,8 +31,10 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/hashicorp/yamux"
 	"github.com/quic-go/quic-go"
@@ -766,11 +768,11 @@ func paced(b *testing.B, transport string, gap time.Duration) {
 	waits := newWaitStats(c)
 	b.ResetTimer()
 	cpu.Start(b)
-	pause := unix.NsecToTimespec(gap.Nanoseconds())
+	p := newPauser(b, gap)
 	for b.Loop() {
-		// The workload's pause, not synchronisation. A thread's sleep:
-		// Go's timers round a sleep of 100 us up to about 1 ms here.
-		unix.Nanosleep(&pause, nil)
+		if err := p.pause(); err != nil { // the workload's pause, not synchronisation
+			b.Fatal(err)
+		}
 		t0 := time.Now()
 		if err := rt(); err != nil {
 			b.Fatal(err)
@@ -780,6 +782,69 @@ func paced(b *testing.B, transport string, gap time.Duration) {
 	cpu.ReportCPU(b, b.N)
 	lat.Report(b)
 	waits.report(b, b.N)
+}
+
+// pauser makes the pauses of the paced benchmarks. A goroutine that
+// pauses waits in the runtime's network poller for a timer file
+// (timerfd_create(2), CLOCK_MONOTONIC, one-shot), as a service's goroutine
+// waits for its next request on a socket: it parks, and its thread and P
+// go idle. The timer's resolution is the kernel's (Go's own timers round a
+// pause of 100 µs up to about 1 ms here). Its system calls are raw ones,
+// like the control connection's (docs/protocol.md section 12.4), so that
+// the pause itself does not wake the runtime's monitor thread.
+//
+// A thread's sleep (nanosleep(2) through package unix) was the pause
+// before. It holds the goroutine's P in a system call for the whole gap,
+// which keeps the runtime's monitor thread (sysmon) awake, polling every
+// 20 µs to 10 ms, until it retakes the P: traced with 10 ms gaps and a
+// busy loop on every CPU, 55 sysmon wakeups in one gap. Whether sysmon
+// retook the P early, and slept, depended on what the process's other P
+// was doing, so the cost fell on one transport's client and not on the
+// other's: CPU per request, both processes, shmlink 3.3 times uds's with
+// the thread's sleep and 0.97 times with this pause (3 alternating rounds,
+// medians). No Go service waits for its next request that way.
+type pauser struct {
+	f    *os.File
+	rc   syscall.RawConn
+	spec unix.ItimerSpec
+	buf  [8]byte
+}
+
+// newPauser returns a pauser whose pauses last gap; the benchmark's
+// cleanup closes its timer file.
+func newPauser(b *testing.B, gap time.Duration) *pauser {
+	fd, err := unix.TimerfdCreate(unix.CLOCK_MONOTONIC, unix.TFD_NONBLOCK|unix.TFD_CLOEXEC)
+	if err != nil {
+		b.Fatal("timerfd_create:", err)
+	}
+	p := &pauser{f: os.NewFile(uintptr(fd), "timerfd")}
+	b.Cleanup(func() { p.f.Close() })
+	if p.rc, err = p.f.SyscallConn(); err != nil {
+		b.Fatal(err)
+	}
+	p.spec.Value = unix.NsecToTimespec(gap.Nanoseconds())
+	return p
+}
+
+// pause arms the timer and parks the goroutine until it expires. Its
+// error is that of a failed system call.
+func (p *pauser) pause() error {
+	var errno syscall.Errno
+	err := p.rc.Control(func(fd uintptr) {
+		_, _, errno = unix.RawSyscall6(unix.SYS_TIMERFD_SETTIME, fd, 0,
+			uintptr(unsafe.Pointer(&p.spec)), 0, 0, 0)
+	})
+	if err == nil && errno == 0 {
+		err = p.rc.Read(func(fd uintptr) bool {
+			_, _, errno = unix.RawSyscall(unix.SYS_READ, fd,
+				uintptr(unsafe.Pointer(&p.buf[0])), uintptr(len(p.buf)))
+			return errno != unix.EAGAIN
+		})
+	}
+	if err == nil && errno != 0 {
+		err = os.NewSyscallError("timerfd", errno)
+	}
+	return err
 }
 
 // BenchmarkPacedSessions: 64 B requests 10 ms apart from 8 clients at
@@ -835,11 +900,14 @@ func pacedSessions(b *testing.B, transport string, gap time.Duration, clients in
 	errs := make(chan error, clients)
 	start := make(chan struct{}) // the clients' goroutines start outside the timing
 	for i, rt := range rts {
+		p := newPauser(b, gap)
 		go func() {
-			pause := unix.NsecToTimespec(gap.Nanoseconds())
 			<-start
 			for left.Add(-1) >= 0 {
-				unix.Nanosleep(&pause, nil) // the workload's pause, as in paced
+				if err := p.pause(); err != nil { // the workload's pause, as in paced
+					errs <- err
+					return
+				}
 				t0 := time.Now()
 				if err := rt(); err != nil {
 					errs <- err
