@@ -840,6 +840,16 @@ const (
 	// took a median 1.5 times as long). Waits after a pause keep their own
 	// rule (pauseBudget).
 	vainPolls = 8
+	// busyVainPolls is vainPolls for a reader on a host without an idle
+	// CPU: a run this long is no peer that lost its CPU for a while, but
+	// answers that never come within a poll. A server whose requests came
+	// 100 to 300 µs apart with a busy loop on every CPU polled in vain in
+	// 4540 of 5031 waits (2 caught their data), and each poll held for
+	// PollTime the CPU that its client, just woken on it, needed: the
+	// client's round trip took a median 64-68 µs against uds's 30-36 µs.
+	// A poll that catches its answer one time in ten ends a run this long
+	// once in a thousand runs.
+	busyVainPolls = 64
 )
 
 // coldWake reports whether a wait that begins at start (monoNow) follows a
@@ -875,10 +885,10 @@ func (st *Stream) afterPause(start time.Duration) bool {
 //     whichever such waits of the stream recently found quicker
 //     (pauseBudget; docs/protocol.md section 12.5);
 //   - when the stream's recent waits were long (a server between requests
-//     that arrive in gaps; longWaits), or, on a host with an idle CPU, its
-//     last vainPolls waits each outlasted PollTime (answers a few
-//     PollTimes away), it sleeps at once instead of burning the CPU for
-//     nothing, and polls once in probeEvery waits.
+//     that arrive in gaps; longWaits), or its last vainPolls waits (on a
+//     host with an idle CPU; busyVainPolls elsewhere) each outlasted
+//     PollTime (answers a few PollTimes away), it sleeps at once instead
+//     of burning the CPU for nothing, and polls once in probeEvery waits.
 //
 // The caller holds rmu.
 func (st *Stream) spinBudget(cold, paused bool) time.Duration {
@@ -894,7 +904,7 @@ func (st *Stream) spinBudget(cold, paused bool) time.Duration {
 		if paused {
 			return st.pauseBudget(limit)
 		}
-		if st.missRun < vainPolls || !hostHasIdleCPU() {
+		if st.missRun < vainPolls || (st.missRun < busyVainPolls && !hostHasIdleCPU()) {
 			return limit
 		}
 	}
@@ -987,7 +997,7 @@ func (st *Stream) recordWait(d time.Duration) {
 		return // no polling to tune
 	}
 	if d > limit {
-		st.missRun = min(st.missRun+1, vainPolls)
+		st.missRun = min(st.missRun+1, busyVainPolls)
 	} else {
 		st.missRun = 0
 	}

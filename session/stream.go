@@ -49,7 +49,7 @@ type Stream struct {
 	// waitEWMA is the recent waits' mean length, in ns (0: none yet), and
 	// waitSkips counts the waits that did not poll since the last that did
 	// (see spinBudget); missRun counts the latest waits in a row that
-	// lasted longer than PollTime, up to vainPolls (see selfWake and
+	// lasted longer than PollTime, up to busyVainPolls (see selfWake and
 	// spinBudget).
 	waitEWMA  time.Duration
 	waitSkips uint32

@@ -152,14 +152,27 @@ func forceIdleCPU(t *testing.T) {
 // outlasted PollTime (answers a few PollTimes away, whose mean alone keeps
 // it polling) sleeps at once, and polls once in probeEvery waits; a wait
 // within PollTime ends that. Where the host is not known to have an idle
-// CPU, the same waits keep polling.
+// CPU, the same waits keep polling until busyVainPolls of them.
 func TestVainPolls(t *testing.T) {
 	const limit = 50 * time.Microsecond
+	pinHostSample(t) // no idle CPU known, whatever /proc/stat says
+	until := hostIdle.until.Swap(0)
+	t.Cleanup(func() { hostIdle.until.Store(until) })
 	st := &Stream{s: &Session{cfg: Config{PollTime: limit}}}
-	for range 2 * vainPolls {
+	for i := range busyVainPolls {
+		require.Equal(t, limit, st.spinBudget(false, false), "no idle CPU known: polls after %d waits", i)
 		st.recordWait(3 * limit)
 	}
-	require.Equal(t, limit, st.spinBudget(false, false), "no idle CPU known: polls")
+	polls := 0
+	for range 4 * probeEvery {
+		if st.spinBudget(false, false) > 0 {
+			polls++
+		}
+		st.recordWait(3 * limit)
+	}
+	require.Equal(t, 4, polls, "no idle CPU known, after busyVainPolls waits: one probe in probeEvery")
+	st.recordWait(limit / 2)
+	require.Equal(t, limit, st.spinBudget(false, false), "a probe caught its answer: polls again")
 
 	forceIdleCPU(t)
 	st = &Stream{s: &Session{cfg: Config{PollTime: limit}}}
@@ -168,7 +181,7 @@ func TestVainPolls(t *testing.T) {
 		st.recordWait(3 * limit)
 	}
 	require.LessOrEqual(t, st.waitEWMA, longWaits*limit, "the mean alone would keep polling")
-	polls := 0
+	polls = 0
 	for range 4 * probeEvery {
 		if st.spinBudget(false, false) > 0 {
 			polls++
