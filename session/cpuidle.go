@@ -20,7 +20,8 @@ import (
 //
 // The answer comes from /proc/stat's aggregate idle and iowait time,
 // sampled at most once per idleSampleEvery by whichever session's timer
-// runs (tick), and shared by the process's sessions. It holds for
+// fires (tick; claimSample keeps one armed for it while readers sleep
+// between requests), and shared by the process's sessions. It holds for
 // idleValidFor after a sample; without a fresh sample, or where /proc/stat
 // cannot be read, the host counts as neither.
 //
@@ -54,6 +55,41 @@ type hostIdleState struct {
 
 	until     atomic.Int64 // Unix ns until which the host counts as having an idle CPU
 	busyUntil atomic.Int64 // Unix ns until which the host counts as busy
+
+	// sampled is when the last sample was taken (monoNow), claim when a
+	// session's timer is to take the next one (claimSample).
+	sampled atomic.Int64
+	claim   atomic.Int64
+}
+
+// sampleDelay is how soon after a claim a sample that is already due is
+// taken: after the reader that claimed it has gone to sleep.
+const sampleDelay = time.Millisecond
+
+// claimSample returns when the timer of a session that holds the claim
+// held (0: none) is to take the next sample of the host, from now on:
+// held if that claim still stands, else a new claim at the time the next
+// sample is due, or 0 if another session's timer holds one.
+//
+// The sessions' timers run only while something is pending (tick.go),
+// which would leave the host without samples while requests come in
+// gaps. So a session whose timer would stop keeps it for the next sample,
+// unless another one does: one timer of the process fires per
+// idleSampleEvery, and none once no session's reader goes to sleep any
+// more. A claim whose session ended expires at its time.
+func (h *hostIdleState) claimSample(now, held time.Duration) time.Duration {
+	c := time.Duration(h.claim.Load())
+	if held != 0 && c == held && held > now {
+		return held
+	}
+	if c > now {
+		return 0
+	}
+	next := max(time.Duration(h.sampled.Load())+idleSampleEvery, now+sampleDelay)
+	if !h.claim.CompareAndSwap(int64(c), int64(next)) {
+		return 0
+	}
+	return next
 }
 
 // hostHasIdleCPU reports whether, as of a recent sample, the host's CPUs
@@ -92,6 +128,7 @@ func sampleHostIdle(now time.Time) {
 	if now.Sub(h.at) < idleSampleEvery {
 		return
 	}
+	h.sampled.Store(int64(monoNow()))
 	idle, total, ok := readProcStat(&h.buf)
 	if !ok {
 		h.until.Store(0)

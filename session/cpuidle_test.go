@@ -102,6 +102,29 @@ func TestSampleHostIdle(t *testing.T) {
 	require.Equal(t, now, at, "sampled again within idleSampleEvery")
 }
 
+// A session whose timer would stop keeps it for the process's next host
+// sample, unless another session's timer is to take it; a claim stands
+// until its time, and the next one is due idleSampleEvery after the last
+// sample, or sampleDelay from now if that is later.
+func TestClaimSample(t *testing.T) {
+	var h hostIdleState
+	ms := time.Millisecond
+	h.sampled.Store(int64(100 * ms))
+
+	a := h.claimSample(110*ms, 0)
+	require.Equal(t, 140*ms, a, "the next sample is due 40 ms after the last")
+	require.Zero(t, h.claimSample(110*ms, 0), "another session's timer is to take it")
+	require.Equal(t, a, h.claimSample(120*ms, a), "the claim stands for its holder")
+
+	// The claimer's session ended before its time: the claim expires.
+	b := h.claimSample(150*ms, 0)
+	require.Equal(t, 150*ms+sampleDelay, b, "a sample already due is taken after sampleDelay")
+	require.Zero(t, h.claimSample(150*ms, a), "an expired claim is not its holder's any more")
+
+	h.sampled.Store(int64(152 * ms)) // b's timer took it
+	require.Equal(t, 192*ms, h.claimSample(160*ms, 0))
+}
+
 // TestMain pins the host's state for the package's tests: neither busy
 // nor with an idle CPU, and never sampled (the last sample is dated a
 // century ahead), so that how a test's readers poll does not depend on
@@ -113,6 +136,7 @@ func TestMain(m *testing.M) {
 	hostIdle.mu.Unlock()
 	hostIdle.until.Store(0)
 	hostIdle.busyUntil.Store(0)
+	hostIdle.sampled.Store(int64(monoNow() + 100*365*24*time.Hour)) // no timer waits for a sample
 	os.Exit(m.Run())
 }
 

@@ -36,9 +36,9 @@ import (
 //   - A pump reads Polling and StreamClose messages only. Anything else
 //     (FallbackData, HotRestart, an error) it leaves to the receive loop.
 //   - A pump that got its data keeps the connection free for a while
-//     (ctlIn.handBackAfter, at most standbyTick): a reader that loops (a
-//     request handler, a bufio.Reader) is back within microseconds and
-//     takes it again without waking anyone. After that, or at once when
+//     (ctlIn.let): a reader that loops (a request handler, a bufio.Reader)
+//     is back within microseconds and takes it again without waking
+//     anyone. After that, or at once when
 //     other goroutines wait for the session or the stream ended, the
 //     receive loop takes it back (bgWake, signalled by the session's
 //     timer: tick.go).
@@ -52,8 +52,8 @@ import (
 // Only AcceptStream may wait that long for a stream opened meanwhile.
 
 // How long the connection stays free after a pump got its data, before
-// the receive loop reads it again (ctlIn.handBackAfter), when the
-// session's timer was stopped; while it runs anyway, up to standbyTick. On
+// the receive loop reads it again (ctlIn.handBackAfter), after a pause in
+// traffic; while let-goes come one after another, standbyTick (let). On
 // a server, AcceptStream may wait that long for a stream opened meanwhile,
 // so it is short: a server's reader (a request handler) is back within it.
 // A client's reader may pause between requests for longer, and nothing on
@@ -86,8 +86,14 @@ type ctlIn struct {
 	// freeSince is when tok was let go (ticker.now), 0 while it is held:
 	// the session's timer signals bgWake handBackAfter later.
 	freeSince atomic.Int64
-	brokenAt  time.Time // deadline set by writeFailed; guarded by kickMu
-	hasBroken bool      // brokenAt is set; guarded by kickMu
+	// handBackAt is when the timer hands tok back (ticker.now), set with
+	// freeSince; lastLet is when tok was last let go, and letGap the time
+	// between the last two let-goes (math.MaxInt64 before the second).
+	handBackAt atomic.Int64
+	lastLet    atomic.Int64
+	letGap     atomic.Int64
+	brokenAt   time.Time // deadline set by writeFailed; guarded by kickMu
+	hasBroken  bool      // brokenAt is set; guarded by kickMu
 }
 
 func (in *ctlIn) init(s *Session) {
@@ -98,16 +104,34 @@ func (in *ctlIn) init(s *Session) {
 	}
 	in.freed = make(chan struct{}, 1)
 	in.bgWake = make(chan struct{}, 1)
+	in.letGap.Store(math.MaxInt64)
 }
 
-// taken records that tok was taken; let records that it was let go, and
-// has the session's timer hand it back to the receive loop later unless
-// a reader takes it first.
-func (in *ctlIn) taken() { in.freeSince.Store(0) }
+// taken records that tok was taken, and disarms the session's timer if
+// it has nothing else to look after (relax); let records that it was let
+// go, and has the timer hand it back to the receive loop later unless a
+// reader takes it first.
+func (in *ctlIn) taken(s *Session) {
+	in.freeSince.Store(0)
+	s.relax()
+}
 
+// let gives tok handBackAfter before the hand-back, or the ticker's
+// standby period if longer when the last let-go was less than that ago:
+// while traffic flows, a request handler that takes a few milliseconds
+// gets the connection back without waking the receive loop.
 func (in *ctlIn) let(s *Session) {
-	in.freeSince.Store(int64(s.tk.now()))
-	s.tk.poke(in.handBackAfter)
+	now := s.tk.now()
+	after := in.handBackAfter
+	if last := time.Duration(in.lastLet.Swap(int64(now))); last != 0 {
+		in.letGap.Store(int64(now - last))
+		if now-last < s.tk.standby {
+			after = max(after, s.tk.standby)
+		}
+	}
+	in.handBackAt.Store(int64(now + after))
+	in.freeSince.Store(int64(now))
+	s.tk.poke(after)
 }
 
 // signal makes a pending signal on c, a channel of capacity 1.
@@ -222,7 +246,7 @@ func (s *Session) recvLoop() {
 		in.tok.Lock() // a reader got there first: the loop waits its turn
 	}
 	for {
-		in.taken()
+		in.taken(s)
 		in.kickMu.Lock()
 		in.loopHas = true
 		in.setDeadlineLocked(s, time.Time{})
@@ -445,7 +469,7 @@ func (st *Stream) pump(want int) (ok, asked bool) {
 		in.kickMu.Unlock()
 		return false, asked
 	}
-	in.taken()
+	in.taken(s)
 	rdl, _ := st.rdl.when()
 	in.kickMu.Lock()
 	in.setDeadlineLocked(s, rdl)

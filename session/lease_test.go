@@ -244,7 +244,7 @@ func TestLeaseExpires(t *testing.T) {
 		return !server.shm.mem.recv.Working() && !server.rx.leased.Load()
 	})
 	waitFor(t, "the late bytes are delivered", func() bool { return s.Buffered() == 4 })
-	waitFor(t, "the timer stops", func() bool { return !server.tk.armed.Load() })
+	waitFor(t, "the timer stops", func() bool { return timerIdle(server) })
 	buf := make([]byte, 4)
 	_, err = io.ReadFull(s, buf)
 	require.NoError(t, err)

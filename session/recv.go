@@ -753,6 +753,7 @@ func (st *Stream) waitForData(want int) error {
 	s.rx.waiters.Add(1)
 	defer s.rx.waiters.Add(-1)
 	s.settle()
+	s.unlease()
 	var freed chan struct{} // nil: this wait leaves the connection to others
 	if st.selfWake(budget) {
 		freed = s.rx.in.freed
@@ -1483,6 +1484,17 @@ func (s *Session) lease() {
 		s.rx.leased.Store(true)
 	}
 	s.tk.poke(s.tk.standby)
+}
+
+// unlease records that a goroutine about to wait for the session's events
+// has settled the working flag: any lease is over, since a spin that ends
+// while it waits settles instead of leasing (endSpin). It disarms the
+// session's timer if nothing else is pending (relax).
+func (s *Session) unlease() {
+	if s.rx.leased.Load() {
+		s.rx.leased.Store(false)
+	}
+	s.relax()
 }
 
 // settle clears the receive queue's working flag, unless a reader is

@@ -1,9 +1,14 @@
 package session
 
 import (
+	"os"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // The session's housekeeping timer (docs/protocol.md section 12.2).
@@ -11,49 +16,124 @@ import (
 // Two things must happen a while after traffic stops: a lease of the
 // working flag ends (section 12, endSpin), and the receive loop takes the
 // control connection back from a reader that left it free (section 12.1,
-// ctlIn). Both used to arm a timer on the path of every message, and the
-// hand-back timer fired about once per request when requests came about
-// 1 ms apart. Neither is free on a virtual machine whose idle vCPUs halt:
+// ctlIn). Each is pending from the moment it starts (a lease, a let-go)
+// until it ends, and most end long before their bound: a reader that comes
+// back for more data and sleeps settles the flag and takes the connection
+// again. The timer runs only while one is pending.
+//
+// Neither arming a timer nor a timer's firing is free on a virtual
+// machine whose idle vCPUs halt:
 //   - Arming a Go timer wakes a thread on an idle CPU when no thread waits
 //     in the network poller (runtime.wakeNetPoller). Measured with
 //     requests 1 ms apart, a server's Read returned 12 µs (median) after
 //     its data came, instead of 1 µs without the arming.
-//   - A timer that fires wakes the process's halted vCPUs. With requests
-//     1 ms apart, a hand-back that fired every 1 ms cost 15 to 20 µs of
-//     median round trip and about 65 µs of CPU per request, against the
-//     same code with the hand-back never armed (5 alternating runs).
+//   - A timer that fires wakes the process's halted vCPUs: a Go timer's
+//     function runs in a new goroutine, whose start wakes a second thread.
 //
-// So one timer does both, and it runs rarely while traffic flows. Paths of
-// messages only note that there is work (poke); they arm the timer only
-// when it is stopped. Once running, the timer re-arms itself from its own
-// goroutine: soon when the connection was let go and is not yet due to be
-// handed back, every standbyTick while there is anything to look after or
-// was since the last tick, and it stops after a standbyTick with nothing.
-// The cost is a looser bound: while the timer runs on standbyTick, a
-// connection let go waits up to a standbyTick before the receive loop
-// takes it back (section 12.1), and a lease lasts up to two of them.
+// So the timer is a timerfd (timerfd_create(2)), armed and disarmed with
+// raw system calls that wake no thread, and read by a goroutine of its own
+// that waits in the network poller: a firing wakes that goroutine only.
+// Paths of messages arm it when something becomes pending (poke: one
+// atomic load when it is armed for pending work already), and the path of
+// a reader about to sleep disarms it when nothing is pending any more
+// (relax). A firing re-arms it while something is still pending. A timer
+// that would be disarmed stays armed for the process's next host sample
+// if no other session's timer takes it (claimSample, section 12.3). Where
+// a timerfd cannot be made, a Go timer does the same, at the costs above.
 type ticker struct {
 	standby time.Duration // the longest period
-	timer   *time.Timer
-	armed   atomic.Bool // timer runs
-	busy    atomic.Bool // something to look after happened since the last tick
+	// early is set while the timer is armed for pending work: then poke
+	// costs one atomic load. It is written under mu.
+	early atomic.Bool
 
-	mu         sync.Mutex    // held by tick
-	leaseCheck time.Duration // when tick last checked the lease (now)
+	mu         sync.Mutex      // held to arm, disarm and tick
+	due        time.Duration   // when the timer fires (now), 0 while disarmed
+	claimAt    time.Duration   // the host sample this timer is to take (claimSample), or 0
+	stopped    bool            // the session ended
+	tfd        *os.File        // the timerfd, or nil
+	rc         syscall.RawConn // tfd's
+	spec       unix.ItimerSpec // tfd's setting
+	gt         *time.Timer     // the Go timer, if tfd is nil
+	leaseCheck time.Duration   // when tick last checked the lease (now)
+	ticks      atomic.Uint64   // firings that ran tick
 }
 
+// denseLetGap is the time between two let-goes of the connection below
+// which relax leaves the timer armed. Arming and disarming a timerfd took
+// 0.8 µs (AMD EPYC VM), one of them on the path of a request, and a
+// firing with nothing to do some 40 to 60 µs of CPU on a VM whose idle
+// vCPUs halt: one firing per 16 ms costs less than one arming per request
+// once requests come less than about 1 ms apart.
+const denseLetGap = time.Millisecond
+
 // standbyTick is the ticker's longest period: the bound on how long a
-// connection let go stays free while the timer runs anyway (section 12.1).
-// Long enough that a timer running while requests flow costs little: one
-// wakeup in standbyTick, against one per request.
+// connection let go stays free while let-goes come one after another
+// (section 12.1), and the period at which a lease is checked.
 const standbyTick = 16 * time.Millisecond
 
 // init makes the timer of s; handBack is ctlIn.handBackAfter, the
 // standby period if it is longer than standbyTick.
 func (tk *ticker) init(s *Session, handBack time.Duration) {
 	tk.standby = max(standbyTick, handBack)
-	tk.timer = time.AfterFunc(time.Hour, s.tick)
-	tk.timer.Stop()
+	fd, err := timerfdCreate(unix.CLOCK_MONOTONIC, unix.TFD_NONBLOCK|unix.TFD_CLOEXEC)
+	if err == nil {
+		f := os.NewFile(uintptr(fd), "shmlink-timer")
+		if rc, err := f.SyscallConn(); err == nil {
+			tk.tfd, tk.rc = f, rc
+			go tk.run(s)
+			return
+		}
+		f.Close()
+	}
+	tk.gt = time.AfterFunc(time.Hour, s.tick)
+	tk.gt.Stop()
+}
+
+// timerfdCreate is unix.TimerfdCreate; tests make it fail to run the Go
+// timer instead.
+var timerfdCreate = unix.TimerfdCreate
+
+// run reads the timerfd until it is closed, and ticks at each expiry.
+func (tk *ticker) run(s *Session) {
+	var buf [8]byte
+	for {
+		err := tk.rc.Read(func(fd uintptr) bool {
+			_, _, errno := unix.RawSyscall(unix.SYS_READ, fd, uintptr(unsafe.Pointer(&buf[0])), uintptr(len(buf)))
+			return errno != unix.EAGAIN
+		})
+		if err != nil {
+			return // closed by stop
+		}
+		s.tick()
+	}
+}
+
+// setLocked arms the timer to fire at due (now is the time now), or
+// disarms it if due is 0. The caller holds mu.
+func (tk *ticker) setLocked(now, due time.Duration) {
+	if tk.stopped || due == tk.due {
+		return
+	}
+	tk.due = due
+	d := time.Duration(0)
+	if due > 0 {
+		d = max(due-now, 1) // 0 would disarm a timerfd
+	}
+	if tk.tfd == nil {
+		if d > 0 {
+			tk.gt.Reset(d)
+		} else {
+			tk.gt.Stop()
+		}
+		return
+	}
+	tk.spec.Value = unix.NsecToTimespec(d.Nanoseconds())
+	tk.rc.Control(func(fd uintptr) {
+		// A raw call: through package syscall it would wake the runtime's
+		// monitor thread (section 12.4). It fails only for a bad
+		// descriptor or setting, neither of which can happen here.
+		unix.RawSyscall6(unix.SYS_TIMERFD_SETTIME, fd, 0, uintptr(unsafe.Pointer(&tk.spec)), 0, 0, 0)
+	})
 }
 
 // now returns monoNow: the ticker's times and the stamps it compares them
@@ -74,59 +154,129 @@ func monoNow() time.Duration {
 	return max(time.Since(clockBase), 1)
 }
 
-// poke tells the ticker that there is something to look after, and arms
-// the timer to run after d if it is stopped. While it runs, poke costs two
-// atomic loads.
+// poke arms the timer to fire after d unless it is armed for pending
+// work: the caller has just made something pending (a lease, a let-go).
+// When it is, poke costs an atomic load, and the thing waits for the next
+// firing.
 func (tk *ticker) poke(d time.Duration) {
-	if !tk.busy.Load() {
-		tk.busy.Store(true)
+	if tk.early.Load() {
+		return
 	}
-	if !tk.armed.Load() && !tk.armed.Swap(true) {
-		tk.timer.Reset(d)
+	tk.mu.Lock()
+	defer tk.mu.Unlock()
+	if tk.early.Load() {
+		return
 	}
+	now := tk.now()
+	due := now + d
+	if tk.due != 0 && tk.due < due {
+		due = tk.due // armed for a host sample, sooner
+	}
+	tk.early.Store(true)
+	tk.setLocked(now, due)
 }
 
-// stop stops the timer for good (the session ended); a poke afterwards
-// runs tick once, which does nothing.
+// relax disarms the timer if nothing is pending any more: the caller has
+// just ended something that was (settled the flag, took the connection).
+// The timer stays armed, or is armed anew, for the next sample of the
+// host's idle CPU time if no other session's timer takes it
+// (claimSample). While let-goes come less than denseLetGap apart, it
+// stays armed: it then fires with nothing to do at most once per standby
+// period, which costs less than arming and disarming it for every
+// request.
+func (s *Session) relax() {
+	tk := &s.tk
+	if !tk.early.Load() || s.rx.in.letGap.Load() < int64(denseLetGap) || s.pending() {
+		return
+	}
+	tk.mu.Lock()
+	defer tk.mu.Unlock()
+	if !tk.early.Load() {
+		return
+	}
+	// A poke that finds early set made its work pending before it looked:
+	// either it sees early cleared here and arms anew, or its work is seen
+	// below (the atomics are sequentially consistent).
+	tk.early.Store(false)
+	if s.pending() {
+		tk.early.Store(true)
+		return
+	}
+	tk.idleLocked(tk.now(), true)
+}
+
+// idleLocked arms the timer for the host sample this session is to take,
+// if any, or disarms it: nothing is pending. With claim set, the session
+// claims the process's next sample if no other session has. The caller
+// holds mu.
+func (tk *ticker) idleLocked(now time.Duration, claim bool) {
+	at := tk.claimAt
+	if claim {
+		at = hostIdle.claimSample(now, at)
+	} else if at <= now {
+		at = 0 // taken, or missed: the next reader that sleeps claims anew
+	}
+	tk.claimAt = at
+	tk.setLocked(now, at)
+}
+
+// pending reports whether a lease is held or the connection is free: what
+// the timer looks after.
+func (s *Session) pending() bool {
+	return s.rx.leased.Load() || s.rx.in.freeSince.Load() != 0
+}
+
+// stop stops the timer for good (the session ended) and lets its
+// goroutine return; a poke afterwards arms nothing.
 func (tk *ticker) stop() {
-	tk.timer.Stop()
+	tk.mu.Lock()
+	defer tk.mu.Unlock()
+	tk.stopped = true
+	if tk.tfd != nil {
+		tk.tfd.Close()
+	} else {
+		tk.gt.Stop()
+	}
 }
 
-// tick runs on the timer: it ends a lease that no poll renewed, hands the
-// control connection back to the receive loop once it has been free for
-// handBackAfter, and re-arms the timer or stops it (see ticker).
+// tick runs when the timer fires: it ends a lease that no poll renewed,
+// hands the control connection back to the receive loop once it has been
+// free for its time, samples the host's idle CPU time (section 12.3), and
+// re-arms the timer while something is still pending, or for a sample
+// this session is to take.
 func (s *Session) tick() {
 	tk := &s.tk
 	tk.mu.Lock()
 	defer tk.mu.Unlock()
-	if isClosedChan(s.dead) {
-		tk.armed.Store(false)
+	tk.ticks.Add(1)
+	if tk.stopped || isClosedChan(s.dead) {
 		return
 	}
+	tk.due = 0 // it fired
+	// Work made pending from here on arms the timer anew or is seen below
+	// (see relax).
+	tk.early.Store(false)
 	sampleHostIdle(time.Now())
 	now := tk.now()
 	next := time.Duration(0)
-	if tk.busy.Swap(false) || s.leaseTick(now) {
+	if s.leaseTick(now) {
 		next = tk.standby
 	}
 	if due := s.rx.in.handBackTick(now); due > 0 && (next == 0 || due < next) {
 		next = due
 	}
 	if next > 0 {
-		tk.timer.Reset(next)
+		tk.early.Store(true)
+		tk.setLocked(now, now+next)
 		return
 	}
-	tk.armed.Store(false)
-	// A poke that saw the timer armed set busy before: it is seen here.
-	if tk.busy.Load() && !tk.armed.Swap(true) {
-		tk.timer.Reset(tk.standby)
-	}
+	tk.idleLocked(now, false)
 }
 
 // leaseTick ends the lease of the working flag if no spin renewed it
 // since the last check, checking at most once per PollTime (section 12):
-// a lease lasts one to two ticks, and at least PollTime. It reports
-// whether a lease is still held. The caller holds tk.mu.
+// a lease lasts one to two standby periods, and at least PollTime. It
+// reports whether a lease is still held. The caller holds tk.mu.
 func (s *Session) leaseTick(now time.Duration) (held bool) {
 	tk := &s.tk
 	if !s.rx.leased.Load() {
@@ -148,14 +298,13 @@ func (s *Session) leaseTick(now time.Duration) (held bool) {
 }
 
 // handBackTick makes the receive loop take the connection back if it has
-// been free for handBackAfter (section 12.1). If it is free and not yet
-// due, it returns how long until it is; else 0.
+// been free for its time (section 12.1). If it is free and not yet due, it
+// returns how long until it is; else 0.
 func (in *ctlIn) handBackTick(now time.Duration) (due time.Duration) {
-	since := in.freeSince.Load()
-	if since == 0 {
+	if in.freeSince.Load() == 0 {
 		return 0
 	}
-	if left := time.Duration(since) + in.handBackAfter - now; left > 0 {
+	if left := time.Duration(in.handBackAt.Load()) - now; left > 0 {
 		return left
 	}
 	signal(in.bgWake) // the loop takes it unless a reader does first
