@@ -47,7 +47,7 @@ type ticker struct {
 	early atomic.Bool
 
 	mu         sync.Mutex      // held to arm, disarm and tick
-	due        time.Duration   // when the timer fires (now), 0 while disarmed
+	due        time.Duration   // when the timer fires (now), 0 while disarmed; -1 inside tick
 	claimAt    time.Duration   // the host sample this timer is to take (claimSample), or 0
 	stopped    bool            // the session ended
 	tfd        *os.File        // the timerfd, or nil
@@ -252,7 +252,9 @@ func (s *Session) tick() {
 	if tk.stopped || isClosedChan(s.dead) {
 		return
 	}
-	tk.due = 0 // it fired
+	// The firing may be of an earlier setting than due: mark due unknown,
+	// so that the setting below always reaches the timer.
+	tk.due = -1
 	// Work made pending from here on arms the timer anew or is seen below
 	// (see relax).
 	tk.early.Store(false)

@@ -7,6 +7,7 @@ import (
 
 	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // timerIdle reports whether s's timer is disarmed, or armed only for a
@@ -93,6 +94,25 @@ func TestTimerGoFallback(t *testing.T) {
 	require.EqualValues(t, 4, accept(t, server).ID())
 	require.NotZero(t, server.tk.ticks.Load(), "the timer handed the connection back")
 	waitFor(t, "the timer stops", func() bool { return timerIdle(server) })
+}
+
+// A firing of an earlier setting than the timer's last (it expired while a
+// poke re-armed it) leaves the timerfd set as the ticker says: here
+// disarmed, since nothing is pending.
+func TestTickSetsTimerfd(t *testing.T) {
+	_, server := pair(t, nil)
+	tk := &server.tk
+	tk.poke(time.Hour)
+	server.tick() // as if an earlier setting had fired
+	tk.mu.Lock()
+	due := tk.due
+	tk.mu.Unlock()
+	var cur unix.ItimerSpec
+	var err error
+	require.NoError(t, tk.rc.Control(func(fd uintptr) { err = unix.TimerfdGettime(int(fd), &cur) }))
+	require.NoError(t, err)
+	require.Equal(t, due != 0, cur.Value.Sec != 0 || cur.Value.Nsec != 0,
+		"the ticker's due (%v) and the timerfd's setting (%v) disagree", due, cur.Value)
 }
 
 // A session's end closes its timerfd and ends the goroutine that reads
