@@ -129,6 +129,14 @@ func (in *ctlIn) let(s *Session) {
 			after = max(after, s.tk.standby)
 		}
 	}
+	in.free(s, now, after)
+}
+
+// free records that tok is free from now on, and has the session's timer
+// hand it back to the receive loop after after, unless a reader takes it
+// first. The receive loop, letting go for a reader, calls it directly:
+// its let-goes are not requests, and do not count in letGap.
+func (in *ctlIn) free(s *Session, now, after time.Duration) {
 	in.handBackAt.Store(int64(now + after))
 	in.freeSince.Store(int64(now))
 	s.tk.poke(after)
@@ -256,10 +264,11 @@ func (s *Session) recvLoop() {
 			return
 		}
 		// Let go for a reader: it reads until it has its data, then gives
-		// the connection back, or leaves it free for a while.
+		// the connection back, or leaves it free for a while. Recorded
+		// before the reader can take it, whose taken would be undone.
+		in.free(s, s.tk.now(), in.handBackAfter)
 		in.tok.Unlock()
 		signal(in.freed)
-		in.let(s)
 		for taken := false; !taken; {
 			select {
 			case <-in.bgWake:
@@ -475,16 +484,20 @@ func (st *Stream) pump(want int) (ok, asked bool) {
 	in.setDeadlineLocked(s, rdl)
 	in.kickMu.Unlock()
 	res := s.readCtl(st, want)
-	in.tok.Unlock()
 	// Others wait for the session's events (this reader counts in
 	// rx.waiters too), or this stream is done, or a message is the
 	// receive loop's: it takes the connection now. Else the connection
-	// stays free for this reader's next wait.
-	if res != ctlReady || s.rx.waiters.Load() > 1 {
+	// stays free for this reader's next wait. Recorded before tok is let
+	// go: a reader that takes it at once must not have its taken undone.
+	handBack := res != ctlReady || s.rx.waiters.Load() > 1
+	if handBack {
 		in.freeSince.Store(int64(s.tk.now()))
-		signal(in.bgWake)
 	} else {
 		in.let(s)
+	}
+	in.tok.Unlock()
+	if handBack {
+		signal(in.bgWake)
 	}
 	return res != ctlHandOff, false
 }
