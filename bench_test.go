@@ -850,9 +850,8 @@ func (p *pauser) pause() error {
 // BenchmarkPacedSessions: 64 B requests 10 ms apart from 8 clients at
 // once, each with a session (shmlink) or a socket (uds) of its own: a
 // sidecar serving several processes whose requests come in gaps. Each
-// session's housekeeping timer (docs/protocol.md section 12.2) fires
-// every 16 ms while its requests keep coming, and each firing wakes the
-// process. It reports the round trip's p50 and p99 (the pause is not
+// session has a housekeeping timer (docs/protocol.md section 12.2), and
+// each of its firings wakes the process. It reports the round trip's p50 and p99 (the pause is not
 // counted; ns/op is, divided by the clients) and the CPU time of both
 // processes per request.
 func BenchmarkPacedSessions(b *testing.B) {
