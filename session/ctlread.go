@@ -38,10 +38,9 @@ import (
 //   - A pump that got its data keeps the connection free for a while
 //     (ctlIn.let): a reader that loops (a request handler, a bufio.Reader)
 //     is back within microseconds and takes it again without waking
-//     anyone. After that, or at once when
-//     other goroutines wait for the session or the stream ended, the
-//     receive loop takes it back (bgWake, signalled by the session's
-//     timer: tick.go).
+//     anyone. After that, or at once when other goroutines wait for the
+//     session or the stream ended, the receive loop takes it back
+//     (bgWake, signalled by the session's timer: tick.go).
 //   - Something else a pump waits for (its stream's data dispatched by
 //     another goroutine, Close, a new read deadline) kicks it while it is
 //     blocked between messages.
