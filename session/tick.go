@@ -46,10 +46,13 @@ type ticker struct {
 	// costs one atomic load. It is written under mu.
 	early atomic.Bool
 
-	mu         sync.Mutex      // held to arm, disarm and tick
+	// stopped is set when the session ended. stop sets it without mu: the
+	// session may end inside a tick (leaseTick's settle delivers a close).
+	stopped atomic.Bool
+
+	mu         sync.Mutex      // held to arm, disarm and tick; never around session code
 	due        time.Duration   // when the timer fires (now), 0 while disarmed; -1 inside tick
 	claimAt    time.Duration   // the host sample this timer is to take (claimSample), or 0
-	stopped    bool            // the session ended
 	tfd        *os.File        // the timerfd, or nil
 	rc         syscall.RawConn // tfd's
 	spec       unix.ItimerSpec // tfd's setting
@@ -111,7 +114,7 @@ func (tk *ticker) run(s *Session) {
 // setLocked arms the timer to fire at due (now is the time now), or
 // disarms it if due is 0. The caller holds mu.
 func (tk *ticker) setLocked(now, due time.Duration) {
-	if tk.stopped || due == tk.due {
+	if tk.stopped.Load() || due == tk.due {
 		return
 	}
 	tk.due = due
@@ -128,6 +131,7 @@ func (tk *ticker) setLocked(now, due time.Duration) {
 		return
 	}
 	tk.spec.Value = unix.NsecToTimespec(d.Nanoseconds())
+	// Control fails without calling f once stop closed the file.
 	tk.rc.Control(func(fd uintptr) {
 		// A raw call: through package syscall it would wake the runtime's
 		// monitor thread (section 12.4). It fails only for a bad
@@ -227,11 +231,11 @@ func (s *Session) pending() bool {
 }
 
 // stop stops the timer for good (the session ended) and lets its
-// goroutine return; a poke afterwards arms nothing.
+// goroutine return; a poke afterwards arms nothing. It does not take mu:
+// the session may end inside a tick. A Go timer that a setting in
+// progress re-arms fires once more and finds the timer stopped.
 func (tk *ticker) stop() {
-	tk.mu.Lock()
-	defer tk.mu.Unlock()
-	tk.stopped = true
+	tk.stopped.Store(true)
 	if tk.tfd != nil {
 		tk.tfd.Close()
 	} else {
@@ -243,14 +247,24 @@ func (tk *ticker) stop() {
 // hands the control connection back to the receive loop once it has been
 // free for its time, samples the host's idle CPU time (section 12.3), and
 // re-arms the timer while something is still pending, or for a sample
-// this session is to take.
+// this session is to take. The settle that ends a lease runs after mu is
+// released: it delivers what the lease held back, which may end the
+// session.
 func (s *Session) tick() {
+	if s.tickLocked() {
+		s.settle()
+	}
+}
+
+// tickLocked is tick's work under mu; it reports whether a lease ended
+// and the flag is to be settled.
+func (s *Session) tickLocked() (settle bool) {
 	tk := &s.tk
 	tk.mu.Lock()
 	defer tk.mu.Unlock()
 	tk.ticks.Add(1)
-	if tk.stopped || isClosedChan(s.dead) {
-		return
+	if tk.stopped.Load() || isClosedChan(s.dead) {
+		return false
 	}
 	// The firing may be of an earlier setting than due: mark due unknown,
 	// so that the setting below always reaches the timer.
@@ -261,7 +275,8 @@ func (s *Session) tick() {
 	sampleHostIdle(time.Now())
 	now := tk.now()
 	next := time.Duration(0)
-	if s.leaseTick(now) {
+	held, settle := s.leaseTick(now)
+	if held {
 		next = tk.standby
 	}
 	if due := s.rx.in.handBackTick(now); due > 0 && (next == 0 || due < next) {
@@ -270,33 +285,35 @@ func (s *Session) tick() {
 	if next > 0 {
 		tk.early.Store(true)
 		tk.setLocked(now, now+next)
-		return
+		return settle
 	}
 	tk.idleLocked(now, false)
+	return settle
 }
 
 // leaseTick ends the lease of the working flag if no spin renewed it
 // since the last check, checking at most once per PollTime (section 12):
 // a lease lasts one to two standby periods, and at least PollTime. It
-// reports whether a lease is still held. The caller holds tk.mu.
-func (s *Session) leaseTick(now time.Duration) (held bool) {
+// reports whether a lease is still held, and whether it just ended one,
+// whose flag the caller settles once it has let go of tk.mu. The caller
+// holds tk.mu.
+func (s *Session) leaseTick(now time.Duration) (held, ended bool) {
 	tk := &s.tk
 	if !s.rx.leased.Load() {
-		return false
+		return false, false
 	}
 	if now-tk.leaseCheck < s.cfg.PollTime {
-		return true
+		return true, false
 	}
 	tk.leaseCheck = now
 	seq := s.rx.leaseSeq.Load()
 	if s.rx.tickSeq.Swap(seq) != seq || s.rx.spinning.Load() {
-		return true
+		return true, false
 	}
 	// A spin that leases after this store sets leased again; one that
-	// leased before it is ended by the settle below.
+	// leased before it is ended by the caller's settle.
 	s.rx.leased.Store(false)
-	s.settle()
-	return false
+	return false, true
 }
 
 // handBackTick makes the receive loop take the connection back if it has

@@ -127,11 +127,31 @@ func TestTimerStops(t *testing.T) {
 		t.Fatal("the server did not see the close")
 	}
 	server.tk.poke(time.Millisecond)
-	server.tk.mu.Lock()
-	stopped := server.tk.stopped
-	server.tk.mu.Unlock()
-	require.True(t, stopped)
+	require.True(t, server.tk.stopped.Load())
 	waitFor(t, "the timer's file is closed", func() bool {
 		return server.tk.rc.Write(func(uintptr) bool { return true }) != nil
 	})
+}
+
+// A tick that ends a lease harvests what the lease held back, which may
+// end the session: here the peer's close of the last stream of a session
+// marked CloseWhenIdle. The session's end stops the timer from inside the
+// tick; it must not wait for the tick.
+func TestTickEndsSession(t *testing.T) {
+	cfg := &Config{PollTime: 10 * time.Millisecond}
+	client, server := pair(t, cfg)
+	c, s := streamPair(t, client, server)
+	for i := 0; server.rx.leaseSeq.Load() == 0; i++ {
+		require.Less(t, i, 100, "no poll ended with a lease")
+		leaseOnce(t, server, c, s)
+	}
+	server.CloseWhenIdle()
+	require.NoError(t, s.Close())
+	require.NoError(t, c.Close())
+	select {
+	case <-server.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the session did not end: its timer's tick is stuck")
+	}
+	require.NotZero(t, server.tk.ticks.Load())
 }
