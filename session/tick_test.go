@@ -136,7 +136,10 @@ func TestTimerStops(t *testing.T) {
 // A tick that ends a lease harvests what the lease held back, which may
 // end the session: here the peer's close of the last stream of a session
 // marked CloseWhenIdle. The session's end stops the timer from inside the
-// tick; it must not wait for the tick.
+// tick; it must not wait for the tick. (On a loaded machine the lease may
+// end before the close comes, which then comes with a Polling for the
+// receive loop; the session must end either way. Before the fix, the
+// test hung in its first run on an idle machine.)
 func TestTickEndsSession(t *testing.T) {
 	cfg := &Config{PollTime: 10 * time.Millisecond}
 	client, server := pair(t, cfg)
@@ -153,5 +156,4 @@ func TestTickEndsSession(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the session did not end: its timer's tick is stuck")
 	}
-	require.NotZero(t, server.tk.ticks.Load())
 }
