@@ -50,15 +50,16 @@ type ticker struct {
 	// session may end inside a tick (leaseTick's settle delivers a close).
 	stopped atomic.Bool
 
-	mu         sync.Mutex      // held to arm, disarm and tick; never around session code
-	due        time.Duration   // when the timer fires (now), 0 while disarmed; -1 inside tick
-	claimAt    time.Duration   // the host sample this timer is to take (claimSample), or 0
-	tfd        *os.File        // the timerfd, or nil
-	rc         syscall.RawConn // tfd's
-	spec       unix.ItimerSpec // tfd's setting
-	gt         *time.Timer     // the Go timer, if tfd is nil
-	leaseCheck time.Duration   // when tick last checked the lease (now)
-	ticks      atomic.Uint64   // firings that ran tick
+	mu         sync.Mutex       // held to arm, disarm and tick; never around session code
+	due        time.Duration    // when the timer fires (now), 0 while disarmed; -1 inside tick
+	claimAt    time.Duration    // the host sample this timer is to take (claimSample), or 0
+	tfd        *os.File         // the timerfd, or nil
+	rc         syscall.RawConn  // tfd's
+	settime    func(fd uintptr) // sets tfd to spec; made once, so that arming allocates nothing
+	spec       unix.ItimerSpec  // tfd's setting
+	gt         *time.Timer      // the Go timer, if tfd is nil
+	leaseCheck time.Duration    // when tick last checked the lease (now)
+	ticks      atomic.Uint64    // firings that ran tick
 }
 
 // denseLetGap is the time between two let-goes of the connection below
@@ -83,6 +84,13 @@ func (tk *ticker) init(s *Session, handBack time.Duration) {
 		f := os.NewFile(uintptr(fd), "shmlink-timer")
 		if rc, err := f.SyscallConn(); err == nil {
 			tk.tfd, tk.rc = f, rc
+			tk.settime = func(fd uintptr) {
+				// A raw call: through package syscall it would wake the
+				// runtime's monitor thread (section 12.4). It fails only for
+				// a bad descriptor or setting, neither of which can happen
+				// here.
+				unix.RawSyscall6(unix.SYS_TIMERFD_SETTIME, fd, 0, uintptr(unsafe.Pointer(&tk.spec)), 0, 0, 0)
+			}
 			go tk.run(s)
 			return
 		}
@@ -99,11 +107,12 @@ var timerfdCreate = unix.TimerfdCreate
 // run reads the timerfd until it is closed, and ticks at each expiry.
 func (tk *ticker) run(s *Session) {
 	var buf [8]byte
+	read := func(fd uintptr) bool {
+		_, _, errno := unix.RawSyscall(unix.SYS_READ, fd, uintptr(unsafe.Pointer(&buf[0])), uintptr(len(buf)))
+		return errno != unix.EAGAIN
+	}
 	for {
-		err := tk.rc.Read(func(fd uintptr) bool {
-			_, _, errno := unix.RawSyscall(unix.SYS_READ, fd, uintptr(unsafe.Pointer(&buf[0])), uintptr(len(buf)))
-			return errno != unix.EAGAIN
-		})
+		err := tk.rc.Read(read)
 		if err != nil {
 			return // closed by stop
 		}
@@ -131,13 +140,8 @@ func (tk *ticker) setLocked(now, due time.Duration) {
 		return
 	}
 	tk.spec.Value = unix.NsecToTimespec(d.Nanoseconds())
-	// Control fails without calling f once stop closed the file.
-	tk.rc.Control(func(fd uintptr) {
-		// A raw call: through package syscall it would wake the runtime's
-		// monitor thread (section 12.4). It fails only for a bad
-		// descriptor or setting, neither of which can happen here.
-		unix.RawSyscall6(unix.SYS_TIMERFD_SETTIME, fd, 0, uintptr(unsafe.Pointer(&tk.spec)), 0, 0, 0)
-	})
+	// Control fails without calling settime once stop closed the file.
+	tk.rc.Control(tk.settime)
 }
 
 // now returns monoNow: the ticker's times and the stamps it compares them

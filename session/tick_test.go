@@ -157,3 +157,18 @@ func TestTickEndsSession(t *testing.T) {
 		t.Fatal("the session did not end: its timer's tick is stuck")
 	}
 }
+
+// Arming and disarming the timerfd, which a request that comes in a gap
+// does once each, allocates nothing.
+func TestTimerArmsWithoutAllocating(t *testing.T) {
+	_, server := pair(t, nil)
+	tk := &server.tk
+	require.NotNil(t, tk.tfd)
+	allocs := testing.AllocsPerRun(100, func() {
+		tk.mu.Lock()
+		tk.setLocked(tk.now(), tk.now()+time.Hour)
+		tk.setLocked(tk.now(), 0)
+		tk.mu.Unlock()
+	})
+	require.Zero(t, allocs)
+}
