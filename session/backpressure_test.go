@@ -155,18 +155,25 @@ func TestSpaceWaitWakes(t *testing.T) {
 		}
 	}
 
-	// The region is full of what the client has not read: its read frees
-	// slices in its own session.
-	n := fill(s2)
-	for c2.Buffered() < n { // all harvested: only the read can wake the writer
+	// The region is full: less than half of it with what the client has
+	// not read, the rest with what it wrote (with half, the writer would
+	// not wait for its own reader: TestWriteWhileOwnReaderHoldsRegion).
+	// Its read frees slices in its own session.
+	_, err := s2.Write(make([]byte, 24<<10))
+	require.NoError(t, err)
+	for c2.Buffered() < 24<<10 { // all harvested: only the read can wake the writer
 		runtime.Gosched()
 	}
+	n := fill(c1)
 	done := blocked()
-	_, err := io.ReadFull(c2, make([]byte, n))
+	_, err = io.ReadFull(c2, make([]byte, 24<<10))
 	require.NoError(t, err)
 	wait(done, "its own reader's free")
+	_, err = io.ReadFull(s1, make([]byte, n))
+	require.NoError(t, err)
 	_, err = io.ReadFull(s1, msg)
 	require.NoError(t, err)
+	require.Zero(t, client.Stats().FallbackWrites)
 
 	// The region is full of what the server has not read: its read frees
 	// slices in the peer's session, and its answer's event tells.
@@ -249,4 +256,51 @@ func mismatch(a, b []byte) int {
 		return min(len(a), len(b))
 	}
 	return -1
+}
+
+// A writer does not wait for its own process's readers (docs/protocol.md
+// section 13). The client fills the region with data that the server does
+// not read, beyond what the server may copy to its heap; then the server
+// writes before it reads, as an echo server does whose client wrote until
+// its write deadline. The region has nothing for the server's write until
+// the server reads, so it goes over the control connection, and both
+// directions arrive intact. Without the rule the server's write waited
+// forever.
+func TestWriteWhileOwnReaderHoldsRegion(t *testing.T) {
+	scfg := tinyConfig()
+	scfg.StreamHeapLimit = 8 << 10
+	client, server := pairWith(t, tinyConfig(), scfg)
+	c, s := streamPair(t, client, server)
+
+	data := randomBytes(1<<20, 3)
+	wrote := make(chan int, 1)
+	go func() {
+		n, _ := c.Write(data)
+		wrote <- n
+	}()
+	for client.shm.spaceWaiters.Load() == 0 { // the region is full
+		runtime.Gosched()
+	}
+	require.NoError(t, c.SetWriteDeadline(time.Now()))
+	n := <-wrote
+	require.Less(t, n, len(data))
+
+	answer := randomBytes(64<<10, 4) // as large as the region
+	done := make(chan error, 1)
+	go func() {
+		_, err := s.Write(answer)
+		done <- err
+	}()
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(time.Minute))) // fail, not hang
+	got := make([]byte, len(answer))
+	_, err := io.ReadFull(c, got)
+	require.NoError(t, err, "the server's write waited for its own reader")
+	require.True(t, bytes.Equal(answer, got), "the answer's bytes differ")
+	require.NoError(t, <-done)
+	require.NotZero(t, server.Stats().FallbackWrites)
+
+	got = make([]byte, n)
+	_, err = io.ReadFull(s, got)
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(data[:n], got), "the request's bytes differ")
 }

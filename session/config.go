@@ -160,7 +160,11 @@ type Config struct {
 	// section 1.2) at once, instead of waiting for the peer to free slices;
 	// the stream then stays on the socket, to keep its bytes in order. The
 	// default (false) is backpressure: the writer waits, until its write
-	// deadline, the stream's or session's end, or free slices.
+	// deadline, the stream's or session's end, or free slices; but not for
+	// slices held by this process's own readers that stopped reading, half
+	// the region or more, past StreamHeapLimit: those it could wait for
+	// forever (an echo whose peer wrote until the region was full), so
+	// the writer falls back then too (docs/protocol.md section 13).
 	Fallback bool
 
 	// KeepAlive, if positive, makes the session check that its peer still

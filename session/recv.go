@@ -1511,26 +1511,34 @@ func (s *Session) settle() {
 // spillStalled copies out of shared memory the unread data of every
 // stream whose reader has stalled (see mustCopyOut), while the region runs
 // short, so that a writer of ours waiting for space is not waiting for
-// its own session's readers.
-func (s *Session) spillStalled() {
+// its own session's readers. It reports whether those readers still hold
+// half the region's capacity or more once it is done (the heap limit
+// stopped the copy): a writer waiting for space then waits for its own
+// process (see withSpace).
+func (s *Session) spillStalled() (stuck bool) {
 	s.withMem(func(m *memory) error {
 		if m.region.FreeBytes() >= s.shm.pressureBytes {
 			return nil
 		}
+		held := 0
 		for _, st := range s.liveStreams() {
 			if st.stalled() {
-				st.spill(m.region)
+				held += st.spill(m.region)
 			}
 		}
+		_, total := m.region.Capacity()
+		stuck = 2*held >= total
 		return nil
 	})
+	return stuck
 }
 
 // spill replaces every unread message of st held in shared memory by a
 // copy on the heap, within Config.StreamHeapLimit, and frees its slices.
-// Messages with a zero-copy view out stay. The caller holds shm.mu's read
-// lock.
-func (st *Stream) spill(region *buffer.Region) {
+// Messages with a zero-copy view out stay. It returns the capacity of the
+// slices that st's unread data still occupies, in bytes. The caller holds
+// shm.mu's read lock.
+func (st *Stream) spill(region *buffer.Region) (held int) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	for i := st.rhead; i < len(st.recv); i++ {
@@ -1539,7 +1547,7 @@ func (st *Stream) spill(region *buffer.Region) {
 			continue
 		}
 		if st.heap+c.remain > st.s.shm.heapLimit {
-			return
+			break
 		}
 		data := make([]byte, c.remain)
 		k := copy(data, c.data)
@@ -1557,4 +1565,5 @@ func (st *Stream) spill(region *buffer.Region) {
 		st.addHeap(len(data))
 		st.s.shm.noteFreed()
 	}
+	return st.shm
 }

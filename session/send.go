@@ -33,11 +33,15 @@ const maxFallbackChunk = 64 << 10
 // shared memory, one event per chain of up to 64 KiB (maxEventBytes). When
 // the buffer region is exhausted Write waits for the peer to free slices
 // (backpressure), or, with Config.Fallback, sends the rest over the control
-// connection as FallbackData. p is not retained. It returns ErrStreamClosed
-// after Close, ErrWriteClosed after CloseWrite, ErrStreamRefused once the
-// server has refused the stream, a deadline error (Timeout() true) after
-// the write deadline, ErrQueueFull if the peer leaves the IO queue full
-// for Config.QueueFullTimeout, and the session's error if it ended. Bytes
+// connection as FallbackData. It sends over the connection without
+// Config.Fallback too when the region is held by this process's own
+// unread data: readers of this session that stopped reading hold half of
+// it, more than StreamHeapLimit lets them copy out (docs/protocol.md
+// section 13). p is not retained. It returns ErrStreamClosed after Close,
+// ErrWriteClosed after CloseWrite, ErrStreamRefused once the server has
+// refused the stream, a deadline error (Timeout() true) after the write
+// deadline, ErrQueueFull if the peer leaves the IO queue full for
+// Config.QueueFullTimeout, and the session's error if it ended. Bytes
 // counted in n were handed to the peer.
 func (st *Stream) Write(p []byte) (int, error) {
 	st.wmu.Lock()
@@ -128,7 +132,10 @@ func (st *Stream) writeSome(p []byte) (int, error) {
 // (sharedMem.noteFreed), or at the latest for a time that grows from 4 µs
 // to 256 µs, since the peer's reader frees slices without telling us
 // (docs/protocol.md section 10, rule 6). It returns try's last error, or
-// why the write cannot go on (writeCheck). Errors other than ErrNoSpace
+// why the write cannot go on (writeCheck). It stops waiting, with
+// ErrNoSpace, once this session's stalled readers hold half the region
+// and the heap limit keeps their data there (spillStalled): the caller
+// then sends over the control connection. Errors other than ErrNoSpace
 // and the session's mean the peer corrupted shared memory: they end the
 // session. The caller holds wmu.
 func (st *Stream) withSpace(wait bool, try func(m *memory) error) error {
@@ -179,7 +186,13 @@ func (st *Stream) withSpace(wait bool, try func(m *memory) error) error {
 			// Our own unread data may be what fills the region: an echo
 			// server blocked here holds the request it has not read yet.
 			lastSpill = now
-			s.spillStalled()
+			if s.spillStalled() {
+				// It still does, past the heap limit: no slice comes
+				// until this process reads, and a socket's writer would
+				// not wait for its own reader. The caller sends over the
+				// control connection (docs/protocol.md section 13).
+				return err
+			}
 		}
 		st.spaceTimer.Reset(s.shm.spaceWait << min(tries-yieldTries, 6))
 		select {
