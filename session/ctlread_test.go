@@ -43,6 +43,20 @@ func waitPumping(t *testing.T, st *Stream) {
 	waitFor(t, "the reader reads the connection", func() bool { return st.s.rx.in.pumping.Load() == st })
 }
 
+// pumpRead has st's reader wait for msg reading the connection itself (a
+// pump), then puts msg on the raw client's queue and writes the Polling
+// that wakes the reader; it returns once the read got msg.
+func pumpRead(t *testing.T, mem *memory, write func([]byte) error, st *Stream, msg string) {
+	t.Helper()
+	got := make([]byte, len(msg))
+	done := readAsync(st, got)
+	waitPumping(t, st)
+	putRaw(t, mem, st.id, msg)
+	require.NoError(t, write(wire.AppendSimple(nil, 3, wire.TypePolling)))
+	require.NoError(t, result(t, done))
+	require.Equal(t, msg, string(got))
+}
+
 // A reader that sleeps reads the Polling that wakes it itself: with
 // polling off, every wait whose data comes while the reader reads the
 // connection is a self-wake, one Polling each. A wait may also end once
@@ -236,13 +250,7 @@ func TestHandBack(t *testing.T) {
 	mem, server, write := rawClient(t, nil, &Config{PollTime: -1})
 	announceRaw(t, mem, 2, write)
 	st := accept(t, server)
-	got := make([]byte, 2)
-	done := readAsync(st, got)
-	waitPumping(t, st)
-	putRaw(t, mem, 2, "hi")
-	require.NoError(t, write(wire.AppendSimple(nil, 3, wire.TypePolling)))
-	require.NoError(t, result(t, done))
-	require.Equal(t, "hi", string(got))
+	pumpRead(t, mem, write, st, "hi")
 	require.EqualValues(t, 1, server.Stats().SelfWakes)
 
 	announceRaw(t, mem, 4, write) // nobody reads the connection now
@@ -258,12 +266,7 @@ func TestHandBack(t *testing.T) {
 	// Again while the session's timer runs on its standby period (it
 	// stops only after a period without work): the reader's release does
 	// not arm it, and the next tick hands the connection back.
-	done = readAsync(st, got)
-	waitPumping(t, st)
-	putRaw(t, mem, 2, "ho")
-	require.NoError(t, write(wire.AppendSimple(nil, 3, wire.TypePolling)))
-	require.NoError(t, result(t, done))
-	require.Equal(t, "ho", string(got))
+	pumpRead(t, mem, write, st, "ho")
 	announceRaw(t, mem, 6, write)
 	require.EqualValues(t, 6, accept(t, server).ID())
 	require.True(t, loopReads(), "the receive loop reads the connection again")

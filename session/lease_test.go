@@ -47,6 +47,16 @@ func leaseOnce(t *testing.T, server *Session, c, st *Stream) {
 	require.Equal(t, byte('a'), buf[0])
 }
 
+// leaseHeld runs leaseOnce until a poll has ended with a lease: on a
+// loaded machine the reader may stop polling before the byte comes.
+func leaseHeld(t *testing.T, server *Session, c, st *Stream) {
+	t.Helper()
+	for i := 0; server.rx.leaseSeq.Load() == 0; i++ {
+		require.Less(t, i, 100, "no poll ended with a lease")
+		leaseOnce(t, server, c, st)
+	}
+}
+
 // A reader that got its data and comes back for more keeps the working
 // flag leased in between: the writer's messages meanwhile cost no wakeup.
 func TestLeaseSkipsWakeups(t *testing.T) {
@@ -232,12 +242,7 @@ func TestLeaseExpires(t *testing.T) {
 	cfg := &Config{PollTime: 10 * time.Millisecond}
 	client, server := pair(t, cfg)
 	c, s := streamPair(t, client, server)
-	// On a loaded machine the reader may stop polling before the byte
-	// comes; retry until a poll ends with the lease.
-	for i := 0; server.rx.leaseSeq.Load() == 0; i++ {
-		require.Less(t, i, 100, "no poll ended with a lease")
-		leaseOnce(t, server, c, s)
-	}
+	leaseHeld(t, server, c, s)
 	_, err := c.Write([]byte("late"))
 	require.NoError(t, err)
 	waitFor(t, "the flag is settled", func() bool {

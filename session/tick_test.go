@@ -84,12 +84,7 @@ func TestTimerGoFallback(t *testing.T) {
 	require.Nil(t, server.tk.tfd)
 	announceRaw(t, mem, 2, write)
 	st := accept(t, server)
-	got := make([]byte, 2)
-	done := readAsync(st, got)
-	waitPumping(t, st)
-	putRaw(t, mem, 2, "hi")
-	require.NoError(t, write(wire.AppendSimple(nil, 3, wire.TypePolling)))
-	require.NoError(t, result(t, done))
+	pumpRead(t, mem, write, st, "hi")
 	announceRaw(t, mem, 4, write) // nobody reads the connection now
 	require.EqualValues(t, 4, accept(t, server).ID())
 	require.NotZero(t, server.tk.ticks.Load(), "the timer handed the connection back")
@@ -144,10 +139,7 @@ func TestTickEndsSession(t *testing.T) {
 	cfg := &Config{PollTime: 10 * time.Millisecond}
 	client, server := pair(t, cfg)
 	c, s := streamPair(t, client, server)
-	for i := 0; server.rx.leaseSeq.Load() == 0; i++ {
-		require.Less(t, i, 100, "no poll ended with a lease")
-		leaseOnce(t, server, c, s)
-	}
+	leaseHeld(t, server, c, s)
 	server.CloseWhenIdle()
 	require.NoError(t, s.Close())
 	require.NoError(t, c.Close())
