@@ -66,6 +66,27 @@ func benchHeader(mode byte, size, count int) []byte {
 // go test's -cpuprofile covers the client process only.
 const benchProfileEnv = "SHMLINK_BENCH_SERVER_CPUPROFILE"
 
+// benchBufferSizeEnv, when set, is the Config.BufferSize in bytes of the
+// regions that the benchmarks' shmlink clients on Unix sockets create
+// (the default is 32 MiB): for cases whose data in flight outgrows the
+// default region.
+const benchBufferSizeEnv = "SHMLINK_BENCH_BUFFER_SIZE"
+
+// benchConfig returns the Config of the shmlink bench clients: nil (the
+// defaults) unless benchBufferSizeEnv is set. A value that is not a
+// byte count fails the benchmark.
+func benchConfig(b *testing.B) *shmlink.Config {
+	v := os.Getenv(benchBufferSizeEnv)
+	if v == "" {
+		return nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil {
+		b.Fatalf("%s=%q: want a size in bytes", benchBufferSizeEnv, v)
+	}
+	return &shmlink.Config{BufferSize: n}
+}
+
 // The transports, by their benchmark names.
 const (
 	tShmlink   = "shmlink"
@@ -361,7 +382,7 @@ func newBenchClient(b *testing.B, transport string) *benchClient {
 	addr := p.addrs[transport]
 	switch transport {
 	case tShmlink, tShmlinkZC:
-		d := &shmlink.Dialer{}
+		d := &shmlink.Dialer{Config: benchConfig(b)}
 		return &benchClient{
 			dial:   func() (io.ReadWriteCloser, error) { return d.Dial("unix", addr) },
 			close:  func() { d.Close() },
@@ -705,8 +726,8 @@ func oneWay(b *testing.B, transport string, size int) {
 // HTTP: shmlink against the plain Unix socket it replaces.
 var localTransports = []string{tShmlink, tShmlinkZC, tUDS}
 
-// BenchmarkContended runs the ping-pong and one-way cases of 64 B and
-// 1 MB, and the 64-stream ping-pong of 64 B, on idle cores and while
+// BenchmarkContended runs the ping-pong, 64-stream ping-pong and one-way
+// cases of 64 B and 1 MB (one-way: 64 KB and 1 MB), on idle cores and while
 // another process keeps every core busy (see contended), for shmlink and
 // a Unix socket: what a sidecar on a shared host sees.
 func BenchmarkContended(b *testing.B) {
@@ -718,11 +739,13 @@ func BenchmarkContended(b *testing.B) {
 				}
 			})
 		}
-		b.Run("PingPongParallel/64B", func(b *testing.B) {
-			for _, transport := range localTransports {
-				b.Run(transport, func(b *testing.B) { pingPongParallel(b, transport, 64) })
-			}
-		})
+		for _, size := range []int{64, 1 << 20} {
+			b.Run("PingPongParallel/"+sizeName(size), func(b *testing.B) {
+				for _, transport := range localTransports {
+					b.Run(transport, func(b *testing.B) { pingPongParallel(b, transport, size) })
+				}
+			})
+		}
 		for _, size := range []int{64 << 10, 1 << 20} {
 			b.Run("Stream/"+sizeName(size), func(b *testing.B) {
 				for _, transport := range localTransports {
@@ -865,7 +888,7 @@ func BenchmarkPacedSessions(b *testing.B) {
 func pacedSessions(b *testing.B, transport string, gap time.Duration, clients int) {
 	var bc *benchClient
 	if transport == tShmlink { // a session per client
-		d := &shmlink.Dialer{MaxSessions: clients, StreamsPerSession: 1}
+		d := &shmlink.Dialer{MaxSessions: clients, StreamsPerSession: 1, Config: benchConfig(b)}
 		addr := startBenchServer(b).addrs[transport]
 		bc = &benchClient{
 			dial:   func() (io.ReadWriteCloser, error) { return d.Dial("unix", addr) },
@@ -953,18 +976,21 @@ var httpBody = make([]byte, 1<<20)
 
 // BenchmarkHTTP: HTTP/1.1 GETs of 64 B and 64 KB bodies through net/http
 // on both ends, from 1 and 16 concurrent clients (kept-alive connections,
-// one per client), over shmlink and a Unix socket; reports requests/s and
-// the CPU time of both processes per request.
+// one per client), over shmlink and a Unix socket, on idle cores and
+// contended (see contended); reports requests/s and the CPU time of both
+// processes per request.
 func BenchmarkHTTP(b *testing.B) {
-	for _, size := range []int{64, 64 << 10} {
-		for _, clients := range []int{1, 16} {
-			b.Run(fmt.Sprintf("GET-%s/c%d", sizeName(size), clients), func(b *testing.B) {
-				for _, transport := range []string{tShmlink, tUDS} {
-					b.Run(transport, func(b *testing.B) { httpGets(b, transport, size, clients) })
-				}
-			})
+	contended(b, func(b *testing.B) {
+		for _, size := range []int{64, 64 << 10} {
+			for _, clients := range []int{1, 16} {
+				b.Run(fmt.Sprintf("GET-%s/c%d", sizeName(size), clients), func(b *testing.B) {
+					for _, transport := range []string{tShmlink, tUDS} {
+						b.Run(transport, func(b *testing.B) { httpGets(b, transport, size, clients) })
+					}
+				})
+			}
 		}
-	}
+	})
 }
 
 // httpGets is one case of BenchmarkHTTP.
@@ -973,7 +999,7 @@ func httpGets(b *testing.B, transport string, size, clients int) {
 	addr := p.addrs[httpPrefix+transport]
 	tr := &http.Transport{MaxIdleConnsPerHost: clients, DisableCompression: true}
 	if transport == tShmlink {
-		d := &shmlink.Dialer{}
+		d := &shmlink.Dialer{Config: benchConfig(b)}
 		defer d.Close()
 		tr.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) { return d.DialContext(ctx, "unix", addr) }
 	} else {
