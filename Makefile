@@ -28,11 +28,12 @@ fuzz:
 	$(GO) test ./session -run '^$$' -fuzz '^FuzzServerHandshake$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMIN)
 	$(GO) test ./session -run '^$$' -fuzz '^FuzzReceive$$' -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMIN)
 
-# The root module's benchmarks, then BenchmarkGRPC, which lives in the gRPC
-# example's module so that the main module does not depend on gRPC.
+# The root module's benchmarks, then BenchmarkGRPC and BenchmarkInProcessGRPC,
+# which live in the gRPC example's module so that the main module does not
+# depend on gRPC.
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem -count $(BENCHCOUNT) . | tee bench.txt
-	cd example/grpc && $(GO) test -run '^$$' -bench BenchmarkGRPC -benchmem -count $(BENCHCOUNT) . | tee -a ../../bench.txt
+	cd example/grpc && $(GO) test -run '^$$' -bench 'BenchmarkGRPC|BenchmarkInProcessGRPC' -benchmem -count $(BENCHCOUNT) . | tee -a ../../bench.txt
 
 example:
 	$(GO) run ./example/helloworld

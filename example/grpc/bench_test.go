@@ -48,41 +48,58 @@ func runBenchServer(peertest.Params) int {
 		return fail(err)
 	}
 	defer os.RemoveAll(dir)
-	shmLn, err := shmlink.Listen("unix", filepath.Join(dir, "shm.sock"))
+	srv, lns, err := serveEcho(dir)
 	if err != nil {
 		return fail(err)
 	}
-	udsLn, err := net.Listen("unix", filepath.Join(dir, "uds.sock"))
-	if err != nil {
-		return fail(err)
-	}
-	tcpLn, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return fail(err)
-	}
-	var svc echoService
-	srv := grpc.NewServer()
-	srv.RegisterService(&echoServiceDesc, &svc)
-	for _, ln := range []net.Listener{shmLn, udsLn, tcpLn} {
-		go srv.Serve(ln)
-	}
-	fmt.Printf("ready %s %s %s\n", shmLn.Addr(), udsLn.Addr(), tcpLn.Addr())
+	fmt.Printf("ready %s %s %s\n", lns[0].Addr(), lns[1].Addr(), lns[2].Addr())
 	io.Copy(io.Discard, os.Stdin)
 	srv.Stop()
 	return 0
 }
 
-// grpcBench is the running server process and its addresses by
-// transport.
+// serveEcho serves the Echo service, on a new grpc.Server, from listeners
+// of grpcTransports in that order: shmlink and a Unix socket with their
+// socket files in dir, and TCP loopback. On error it closes what it
+// opened.
+func serveEcho(dir string) (*grpc.Server, []net.Listener, error) {
+	var lns []net.Listener
+	for _, listen := range []func() (net.Listener, error){
+		func() (net.Listener, error) { return shmlink.Listen("unix", filepath.Join(dir, "shm.sock")) },
+		func() (net.Listener, error) { return net.Listen("unix", filepath.Join(dir, "uds.sock")) },
+		func() (net.Listener, error) { return net.Listen("tcp", "127.0.0.1:0") },
+	} {
+		ln, err := listen()
+		if err != nil {
+			for _, ln := range lns {
+				ln.Close()
+			}
+			return nil, nil, err
+		}
+		lns = append(lns, ln)
+	}
+	srv := grpc.NewServer()
+	srv.RegisterService(&echoServiceDesc, &echoService{})
+	for _, ln := range lns {
+		go srv.Serve(ln)
+	}
+	return srv, lns, nil
+}
+
+// grpcBench is a running Echo server and its addresses by transport: in a
+// process of its own (startBenchServer), or in the test process
+// (startInProcessServer).
 type grpcBench struct {
-	srv   *peertest.BenchServer
+	srv   *peertest.BenchServer // the server process; nil in the test process
 	addrs map[string]string
+	pids  []int // the processes whose CPU time a benchmark counts
 	err   error
+	stop  func() // ends the in-process server
 }
 
 var (
-	benchOnce sync.Once
-	benchSrv  grpcBench
+	benchOnce, inProcOnce sync.Once
+	benchSrv, inProcSrv   grpcBench
 )
 
 // startBenchServer starts the server process once per run; stopBenchServer
@@ -92,7 +109,8 @@ func startBenchServer(b *testing.B) *grpcBench {
 		var f []string
 		benchSrv.srv, f, benchSrv.err = peertest.StartBenchServer(benchRole, peertest.Params{}, 3)
 		if benchSrv.err == nil {
-			benchSrv.addrs = map[string]string{"shmlink": f[0], "uds": f[1], "tcp": f[2]}
+			benchSrv.addrs = addrsOf(f)
+			benchSrv.pids = []int{os.Getpid(), benchSrv.srv.Pid()}
 		}
 	})
 	if benchSrv.err != nil {
@@ -101,18 +119,58 @@ func startBenchServer(b *testing.B) *grpcBench {
 	return &benchSrv
 }
 
-// stopBenchServer ends the server process, if a benchmark started it.
+// startInProcessServer starts the Echo server in the test process, once
+// per run, for BenchmarkInProcessGRPC; stopBenchServer ends it.
+func startInProcessServer(b *testing.B) *grpcBench {
+	inProcOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "shmlink-grpc-bench-")
+		if err != nil {
+			inProcSrv.err = err
+			return
+		}
+		srv, lns, err := serveEcho(dir)
+		if err != nil {
+			os.RemoveAll(dir)
+			inProcSrv.err = err
+			return
+		}
+		var f []string
+		for _, ln := range lns {
+			f = append(f, ln.Addr().String())
+		}
+		inProcSrv.addrs = addrsOf(f)
+		inProcSrv.pids = []int{os.Getpid()}
+		inProcSrv.stop = func() { srv.Stop(); os.RemoveAll(dir) }
+	})
+	if inProcSrv.err != nil {
+		b.Fatal(inProcSrv.err)
+	}
+	return &inProcSrv
+}
+
+// addrsOf maps grpcTransports to the addresses f, in that order.
+func addrsOf(f []string) map[string]string {
+	m := make(map[string]string, len(f))
+	for i, a := range f {
+		m[grpcTransports[i]] = a
+	}
+	return m
+}
+
+// stopBenchServer ends the servers that benchmarks started.
 func stopBenchServer() {
 	if benchSrv.srv != nil {
 		benchSrv.srv.Stop()
 	}
+	if inProcSrv.stop != nil {
+		inProcSrv.stop()
+	}
 }
 
-// dialBench returns a client connection to the server over transport, a
+// dialBench returns a client connection to the server p over transport, a
 // function that closes it (and the shmlink Dialer behind it), and the
 // waitStats of its shmlink Dialer (nil for the other transports).
-func dialBench(b *testing.B, transport string) (echoClient, func(), *waitStats) {
-	p := startBenchServer(b)
+func dialBench(b *testing.B, p *grpcBench, transport string) (echoClient, func(), *waitStats) {
 	addr := p.addrs[transport]
 	var dial func(ctx context.Context, _ string) (net.Conn, error)
 	closeDialer := func() {}
@@ -191,16 +249,31 @@ func BenchmarkGRPC(b *testing.B) {
 					}
 					b.Run(fmt.Sprintf("unary/%s/c%d", sizeName(size), callers), func(b *testing.B) {
 						for _, transport := range grpcTransports {
-							b.Run(transport, func(b *testing.B) { benchUnary(b, transport, size, callers) })
+							b.Run(transport, func(b *testing.B) { benchUnary(b, startBenchServer(b), transport, size, callers) })
 						}
 					})
 				}
 			}
 			b.Run("bidi/64B", func(b *testing.B) {
 				for _, transport := range grpcTransports {
-					b.Run(transport, func(b *testing.B) { benchBidi(b, transport) })
+					b.Run(transport, func(b *testing.B) { benchBidi(b, startBenchServer(b), transport) })
 				}
 			})
+		})
+	}
+}
+
+// BenchmarkInProcessGRPC: BenchmarkGRPC's unary calls of 64 B from 1 and
+// 16 callers, with client and server in the test process, over shmlink
+// and a Unix socket: what the transports cost when both ends share one Go
+// scheduler, against the two processes of BenchmarkGRPC (README, "Where
+// shmlink loses"). cpu-us/op is the test process's CPU time per call.
+func BenchmarkInProcessGRPC(b *testing.B) {
+	for _, callers := range []int{1, 16} {
+		b.Run(fmt.Sprintf("unary/64B/c%d", callers), func(b *testing.B) {
+			for _, transport := range []string{"shmlink", "uds"} {
+				b.Run(transport, func(b *testing.B) { benchUnary(b, startInProcessServer(b), transport, 64, callers) })
+			}
 		})
 	}
 }
@@ -214,8 +287,8 @@ func sizeName(n int) string {
 }
 
 // benchUnary is one unary case of BenchmarkGRPC.
-func benchUnary(b *testing.B, transport string, size, callers int) {
-	c, closeConn, ws := dialBench(b, transport)
+func benchUnary(b *testing.B, p *grpcBench, transport string, size, callers int) {
+	c, closeConn, ws := dialBench(b, p, transport)
 	defer closeConn()
 	ctx := context.Background()
 	call := func(req *wrapperspb.BytesValue) error {
@@ -245,7 +318,7 @@ func benchUnary(b *testing.B, transport string, size, callers int) {
 		}
 	}
 	b.ReportAllocs()
-	cpu := peertest.NewCPUMeter(os.Getpid(), benchSrv.srv.Pid())
+	cpu := peertest.NewCPUMeter(p.pids...)
 	var lat peertest.Latencies
 	if callers == 1 {
 		lat = make(peertest.Latencies, 0, b.N)
@@ -289,8 +362,8 @@ func benchUnary(b *testing.B, transport string, size, callers int) {
 
 // benchBidi is the bidirectional case of BenchmarkGRPC: one EchoStream
 // call, a 64-byte message sent and its echo received per op.
-func benchBidi(b *testing.B, transport string) {
-	c, closeConn, ws := dialBench(b, transport)
+func benchBidi(b *testing.B, p *grpcBench, transport string) {
+	c, closeConn, ws := dialBench(b, p, transport)
 	defer closeConn()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -322,7 +395,7 @@ func benchBidi(b *testing.B, transport string) {
 		}
 	}
 	b.ReportAllocs()
-	cpu := peertest.NewCPUMeter(os.Getpid(), benchSrv.srv.Pid())
+	cpu := peertest.NewCPUMeter(p.pids...)
 	lat := make(peertest.Latencies, 0, b.N)
 	b.ResetTimer()
 	ws.start()
