@@ -38,7 +38,9 @@ func (w *ChainWriter) Reset(r *Region) {
 // It fills the last slice first; when that is full it allocates another:
 // from the smallest class that holds what is left of p, or the largest
 // class when nothing does, trying larger classes and then smaller ones
-// when a class is exhausted (docs/protocol.md section 2.4).
+// when a class is exhausted (docs/protocol.md section 2.4). While the
+// largest class runs short, less than one of its slices holds starts at
+// the next class down instead (writeWant).
 //
 // When no slice can be had, Write returns n < len(p) and ErrNoSpace
 // (unwrapped); the n bytes written stay in the chain, which the caller may
@@ -47,7 +49,7 @@ func (w *ChainWriter) Reset(r *Region) {
 func (w *ChainWriter) Write(p []byte) (n int, err error) {
 	for len(p) > 0 {
 		if w.used == len(w.buf) {
-			if err := w.grow(len(p), true); err != nil {
+			if err := w.grow(w.writeWant(len(p)), true); err != nil {
 				return n, err
 			}
 		}
@@ -86,6 +88,41 @@ func (w *ChainWriter) Reserve(n int) ([]byte, error) {
 	w.used += n
 	w.size += n
 	return b, nil
+}
+
+// writeWant returns how many bytes Write asks a new slice to hold when
+// left bytes of p remain: left, except while the largest class runs short
+// (list.short: under a quarter of its slices free) and left is less than
+// one of its slices holds; then at most the slice size of the next class
+// down. So while large slices are scarce, Write takes one only to fill it
+// or when the classes below are exhausted (docs/protocol.md section 2.4).
+// Those slices are the fewest (51 in a default 32 MiB region) and the only
+// ones a Reserve of more than the next class's size can use; a 64 KiB
+// event in one would leave half of it empty.
+func (w *ChainWriter) writeWant(left int) int {
+	n := len(w.r.lists)
+	if n < 2 {
+		return left
+	}
+	below := int(w.r.lists[n-2].dataSize)
+	if left <= below || left >= int(w.r.lists[n-1].dataSize) || !w.r.lists[n-1].short() {
+		return left
+	}
+	return below
+}
+
+// WholeSlices returns how many of n bytes to give Write for an event that
+// starts a chain: n, or while the largest class runs short (writeWant),
+// n rounded down to whole slices of the class below, so that the event
+// does not end in a slice of its own for the few bytes the headers took.
+// With the default classes, 64 KiB then becomes 65,496 bytes, two 32 KiB
+// slices, where 65,536 would take a third, of 8 KiB, for 40 bytes
+// (docs/protocol.md section 2.4). Call it on an empty chain.
+func (w *ChainWriter) WholeSlices(n int) int {
+	if want := w.writeWant(n); want < n {
+		return n / want * want
+	}
+	return n
 }
 
 // Unreserve gives back the last k bytes of the last Reserve, left

@@ -371,3 +371,71 @@ func TestChainConcurrent(t *testing.T) {
 type chainIO struct{ c *ChainReader }
 
 func (r chainIO) Read(p []byte) (int, error) { return r.c.Read(p) }
+
+// While the largest class runs short (under a quarter of its slices free),
+// Write leaves it to what fills it: a rest smaller than one of its slices
+// starts at the class below (writeWant), so a 64 KiB event takes two
+// 32 KiB slices of the default classes (and an 8 KiB one for the 40 bytes
+// their headers take, which WholeSlices leaves out of the event), not half
+// of a 128 KiB one. With large slices plentiful, or the classes below
+// exhausted, the event takes one.
+func TestWriteLeavesLargestClassWhenShort(t *testing.T) {
+	r, _ := testRegion(t, defaultRegionSize, DefaultSizeClasses())
+	w := r.newChainWriter()
+	write := func(size int) []int {
+		t.Helper()
+		want := pattern(size, 7)
+		n, err := w.Write(want)
+		require.NoError(t, err)
+		require.Equal(t, size, n)
+		head, _ := w.Finish()
+		got, classes := readChain(t, r, head)
+		require.True(t, bytes.Equal(want, got), "payload differs")
+		_, err = r.FreeChain(head)
+		require.NoError(t, err)
+		return classes
+	}
+	var held []uint32
+	hold := func(size int) bool {
+		t.Helper()
+		off, err := r.Alloc(size)
+		require.NoError(t, err)
+		if r.SliceSize(off) != size {
+			require.NoError(t, r.Free(off))
+			return false
+		}
+		held = append(held, off)
+		return true
+	}
+	mid := int(r.lists[1].dataSize)
+	big := r.MaxSliceSize()
+	largest := &r.lists[len(r.lists)-1]
+	require.Equal(t, []int{2}, write(64<<10), "large slices plentiful: one per event")
+	require.Equal(t, 64<<10, w.WholeSlices(64<<10))
+
+	for !largest.short() {
+		require.True(t, hold(big))
+	}
+	require.Equal(t, int(largest.cap)/4, int(largest.cap)-largest.used(), "free large slices once short")
+	require.Equal(t, []int{1, 1, 0}, write(64<<10), "a 64 KiB event while short")
+	require.Equal(t, 2*mid, w.WholeSlices(64<<10))
+	require.Equal(t, []int{1, 1}, write(w.WholeSlices(64<<10)))
+	require.Equal(t, mid, w.WholeSlices(mid+100))
+	for _, n := range []int{0, 1, mid, big, big + 1} {
+		require.Equal(t, n, w.WholeSlices(n), "%d bytes", n)
+	}
+	require.Equal(t, []int{1}, write(mid), "a rest that fills the middle class")
+	require.Equal(t, []int{1, 1}, write(2*mid))
+	require.Equal(t, []int{2}, write(big), "a rest that fills the largest class")
+	require.Equal(t, []int{2, 0}, write(big+1))
+
+	// With the middle class exhausted, a rest larger than the smallest
+	// slices goes to the largest class before the smallest, as before.
+	for hold(mid) {
+	}
+	require.Equal(t, []int{2}, write(64<<10))
+	for _, off := range held {
+		require.NoError(t, r.Free(off))
+	}
+	require.Equal(t, []int{0, 0, 0}, r.InUse())
+}

@@ -232,6 +232,12 @@ func (l *list) used() int {
 	return int(l.cap) - int(free)
 }
 
+// short reports whether under a quarter of the list's slices are free, by
+// the same snapshot of the free count as used.
+func (l *list) short() bool {
+	return 4*(int(l.cap)-l.used()) < int(l.cap)
+}
+
 // corrupt returns the error for a bad offset read from the list.
 func (l *list) corrupt(what string, v uint32) error {
 	return fmt.Errorf("buffer list at %d: %s %d is not a slice of the list: %w", l.off, what, v, ErrCorrupt)

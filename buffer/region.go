@@ -263,7 +263,8 @@ func (r *Region) Capacity() (slices, bytes int) {
 // most one slice can carry.
 func (r *Region) MaxSliceSize() int { return int(r.lists[len(r.lists)-1].dataSize) }
 
-// InUse returns, per buffer list in the order of Lists, the slices not on
+// InUse returns, per buffer list in ascending order of slice size
+// (docs/protocol.md section 2.2), the slices not on
 // the free list: the cap minus the shared free count, clamped to [0, cap].
 // Both processes' allocations count. It is meant for statistics and leak
 // tests; the values may be stale as soon as they are returned.

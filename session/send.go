@@ -101,7 +101,7 @@ func (st *Stream) writeSome(p []byte) (int, error) {
 		k := 0
 		err := st.withSpace(!s.cfg.Fallback, func(m *memory) error {
 			st.w.Reset(m.region)
-			n, err := st.w.Write(p)
+			n, err := st.w.Write(p[:st.w.WholeSlices(len(p))])
 			if n == 0 {
 				return err
 			}

@@ -388,3 +388,54 @@ func TestEmptyFirstSlice(t *testing.T) {
 	require.Equal(t, want[len(want)-10:], b, "the second slice's bytes")
 	s.ReleasePreviousRead()
 }
+
+// While the largest slices run short, a large Write goes out in events of
+// whole 32 KiB slices and takes none of the large ones, which a zero-copy
+// Reserve needs (docs/protocol.md section 2.4); the reader gets every
+// byte in order, and every slice comes back.
+func TestWriteSparesLargestSlicesWhenShort(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+	region := client.shm.mem.region
+	largest := len(region.InUse()) - 1
+	large := region.MaxSliceSize()
+	var held []uint32
+	// Take every large slice, then give back fewer than a quarter of them:
+	// with the one a list may keep unpoppable, under a quarter are free.
+	for {
+		off, err := region.Alloc(large)
+		if errors.Is(err, buffer.ErrNoSpace) {
+			break
+		}
+		require.NoError(t, err)
+		held = append(held, off)
+	}
+	for range (len(held)+1)/4 - 1 {
+		require.NoError(t, region.Free(held[len(held)-1]))
+		held = held[:len(held)-1]
+	}
+	before := region.InUse()
+
+	msg := make([]byte, 1<<20)
+	for i := range msg {
+		msg[i] = byte(i * 7)
+	}
+	n, err := c.Write(msg)
+	require.NoError(t, err)
+	require.Equal(t, len(msg), n)
+	during := region.InUse()
+	require.Equal(t, before[largest], during[largest], "the write took large slices")
+	event := 2 * (32<<10 - 20) // two 32 KiB slices' data
+	require.Equal(t, 2*(len(msg)/event), during[largest-1]-before[largest-1],
+		"32 KiB slices: two per event of 65,496 bytes")
+	require.Equal(t, 1, during[0]-before[0], "one small slice for the last %d bytes", len(msg)%event)
+
+	got := make([]byte, len(msg))
+	_, err = io.ReadFull(s, got)
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(msg, got), "the bytes differ")
+	for _, off := range held {
+		require.NoError(t, region.Free(off))
+	}
+	require.Equal(t, []int{0, 0, 0}, region.InUse())
+}
