@@ -408,10 +408,11 @@ func freeChain(m *memory, off uint32) error {
 type recvBuf struct {
 	recv     []chunk // FIFO from rhead
 	rhead    int
-	buffered int      // unread bytes in recv
-	shm      int      // capacity of the slices that recv's unread bytes occupy
-	heap     int      // unread bytes in recv held on the heap
-	held     []uint32 // consumed slices with a zero-copy view out
+	buffered int       // unread bytes in recv
+	shm      int       // capacity of the slices that recv's unread bytes occupy
+	heap     int       // unread bytes in recv held on the heap
+	held     []uint32  // consumed slices with a zero-copy view out
+	heldBufs []*[]byte // consumed spill buffers with a zero-copy view out
 }
 
 // chunk is one received message waiting to be read: the unread part of a
@@ -422,10 +423,11 @@ type chunk struct {
 	data    []byte // unread bytes of the current slice, or the heap bytes
 	next    uint32 // next slice of the chain, if hasNext
 	hasNext bool
-	pinned  bool // a zero-copy view into the current slice was handed out
-	remain  int  // unread bytes of the whole message, data included
-	links   int  // slices of the chain visited so far (cycle guard)
-	charge  int  // capacity of the chain's slices, counted in recvBuf.shm
+	pinned  bool    // a zero-copy view into the current slice (or buf) was handed out
+	remain  int     // unread bytes of the whole message, data included
+	links   int     // slices of the chain visited so far (cycle guard)
+	charge  int     // capacity of the chain's slices, counted in recvBuf.shm
+	buf     *[]byte // pooled buffer behind heap bytes copied out of shared memory (spillbuf.go)
 }
 
 // readRest copies into p the bytes of c's message that follow its current
@@ -498,10 +500,10 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 		// has stalled: copy the message out and free its slices now, so
 		// that a stalled reader holds heap, not slices that the other
 		// streams, or writers on either side, need.
-		data := make([]byte, total)
+		data, buf := getSpillBuf(total)
 		cr.Reset(region, off) // cannot fail: it did above
 		readFull(&cr, data)   // cannot fail: the walk above saw the same chain
-		st.recv = append(st.recv, chunk{data: data, remain: total})
+		st.recv = append(st.recv, chunk{data: data, remain: total, buf: buf})
 		st.buffered += total
 		st.addHeap(total)
 		s.ctr.spilled.Add(uint64(total))
@@ -611,7 +613,9 @@ func (st *Stream) dropUnread() {
 		// ignored here.
 		guard(func() error {
 			for i := st.rhead; i < len(st.recv); i++ {
-				if c := st.recv[i]; c.off != 0 {
+				c := st.recv[i]
+				st.recycleBuf(c)
+				if c.off != 0 {
 					if c.pinned {
 						st.held = append(st.held, c.off)
 					} else {
@@ -1033,10 +1037,12 @@ func (st *Stream) Read(p []byte) (n int, err error) {
 }
 
 // Peek returns the next n bytes without consuming them, waiting until they
-// have arrived. When they lie in one slice of shared memory the returned
-// slice points into it (zero copy) and stays valid until the bytes are
-// consumed and then released by ReleasePreviousRead, or until Close;
-// otherwise it is a fresh copy owned by the caller. It returns io.EOF if
+// have arrived. When they lie in one slice of shared memory, or in one
+// message that the session copied out of it while the reader stalled
+// (docs/protocol.md section 13), the returned slice points there (zero
+// copy) and stays valid until the bytes are consumed and then released by
+// ReleasePreviousRead, or until Close; otherwise it is a fresh copy owned
+// by the caller. Treat every result as the former. It returns io.EOF if
 // the peer closed with no bytes left, io.ErrUnexpectedEOF if it closed with
 // fewer than n, and the errors of Read otherwise. n must be positive.
 func (st *Stream) Peek(n int) ([]byte, error) {
@@ -1056,7 +1062,7 @@ func (st *Stream) peek(n int) (b []byte, err error) {
 		}
 		c := &st.recv[st.rhead]
 		if len(c.data) >= n {
-			if c.off != 0 {
+			if c.off != 0 || c.buf != nil {
 				c.pinned = true
 			}
 			b = c.data[:n:n]
@@ -1083,9 +1089,10 @@ func (st *Stream) peek(n int) (b []byte, err error) {
 }
 
 // ReadBytes consumes and returns the next n bytes, waiting until they have
-// arrived. Like Peek, the result points into shared memory when the bytes
-// lie in one slice; those slices are recycled only by ReleasePreviousRead
-// (or Close), so the result stays valid until then. Errors are Peek's.
+// arrived. Like Peek, the result points into shared memory (or the
+// session's copy of a message, section 13) when the bytes lie in one
+// piece; those are recycled only by ReleasePreviousRead (or Close), so the
+// result stays valid until then. Errors are Peek's.
 func (st *Stream) ReadBytes(n int) ([]byte, error) {
 	st.startRead()
 	defer st.endRead()
@@ -1098,10 +1105,12 @@ func (st *Stream) ReadBytes(n int) ([]byte, error) {
 }
 
 // ReadChunk consumes and returns the next bytes that lie contiguously in
-// one slice of shared memory (or in one FallbackData message): at least 1
-// and at most max, waiting until some have arrived. It never copies: the
-// result points into shared memory (or the received message) and stays
-// valid until ReleasePreviousRead or Close, which recycle the slices behind
+// one slice of shared memory (or in one FallbackData message, or in the
+// session's copy of a message that it copied out of shared memory while the
+// reader stalled, docs/protocol.md section 13): at least 1 and at most max,
+// waiting until some have arrived. It never copies: the result points into
+// shared memory (or the message, or the copy) and stays valid until
+// ReleasePreviousRead or Close, which recycle the slices and copies behind
 // every result returned since the last release. It returns io.EOF once the
 // peer closed and every byte was read, and the errors of Read otherwise;
 // max must be positive.
@@ -1115,7 +1124,7 @@ func (st *Stream) ReadChunk(max int) (b []byte, err error) {
 		c := &st.recv[st.rhead]
 		k := min(max, len(c.data))
 		b = c.data[:k:k]
-		if c.off != 0 {
+		if c.off != 0 || c.buf != nil {
 			c.pinned = true
 		}
 		_, err := st.consumeLocked(region, nil, k)
@@ -1177,7 +1186,8 @@ func (st *Stream) discard(n int) (done int, err error) {
 	return done, err
 }
 
-// ReleasePreviousRead recycles the slices behind zero-copy results of Peek,
+// ReleasePreviousRead recycles the slices, and the session's copies of
+// messages (docs/protocol.md section 13), behind zero-copy results of Peek,
 // ReadBytes and ReadChunk whose bytes have been consumed. Those results
 // must not be used afterwards.
 func (st *Stream) ReleasePreviousRead() {
@@ -1188,6 +1198,7 @@ func (st *Stream) ReleasePreviousRead() {
 	defer st.mu.Unlock()
 	if m := s.shm.mem; m == nil {
 		st.held = st.held[:0]
+		st.releaseBufsLocked()
 	} else if err := guard(func() error { st.releaseHeldLocked(m.region); return nil }); err != nil {
 		st.held = st.held[:0]
 		go s.failOp("release", err)
@@ -1197,6 +1208,7 @@ func (st *Stream) ReleasePreviousRead() {
 // releaseHeldLocked recycles the slices behind zero-copy results. The
 // caller holds shm.mu's read lock and st.mu.
 func (st *Stream) releaseHeldLocked(region *buffer.Region) {
+	st.releaseBufsLocked()
 	if len(st.held) == 0 {
 		return
 	}
@@ -1209,6 +1221,36 @@ func (st *Stream) releaseHeldLocked(region *buffer.Region) {
 	st.held = st.held[:0]
 	st.s.shm.noteFreed()
 }
+
+// releaseBufsLocked returns to their pools the spill buffers behind
+// zero-copy results. The caller holds st.mu.
+func (st *Stream) releaseBufsLocked() {
+	for i, p := range st.heldBufs {
+		putSpillBuf(p)
+		st.heldBufs[i] = nil
+	}
+	st.heldBufs = st.heldBufs[:0]
+}
+
+// recycleBuf takes back the spill buffer of a chunk that is being dropped
+// or was read to its end: at once, or at the next release while a
+// zero-copy view of it is out. Past maxHeldBufs such buffers it leaves the
+// buffer to the garbage collector, so that a reader that never releases
+// (Peek, then Read) holds no more memory than it did without pools. The
+// caller holds st.mu.
+func (st *Stream) recycleBuf(c chunk) {
+	switch {
+	case c.buf == nil:
+	case !c.pinned:
+		putSpillBuf(c.buf)
+	case len(st.heldBufs) < maxHeldBufs:
+		st.heldBufs = append(st.heldBufs, c.buf)
+	}
+}
+
+// maxHeldBufs bounds the spill buffers a stream keeps for
+// ReleasePreviousRead: at most 512 KiB.
+const maxHeldBufs = 8
 
 // Buffered returns the number of bytes that can be read without waiting.
 func (st *Stream) Buffered() int {
@@ -1287,6 +1329,7 @@ func (st *Stream) advanceLocked(region *buffer.Region, c *chunk) error {
 // caller holds st.mu.
 func (st *Stream) dropHeadLocked() {
 	c := &st.recv[st.rhead]
+	st.recycleBuf(*c)
 	st.buffered -= c.remain
 	if c.off == 0 {
 		st.addHeap(-c.remain)
@@ -1549,9 +1592,10 @@ func (st *Stream) spill(region *buffer.Region) (held int) {
 		if st.heap+c.remain > st.s.shm.heapLimit {
 			break
 		}
-		data := make([]byte, c.remain)
+		data, buf := getSpillBuf(c.remain)
 		k := copy(data, c.data)
 		if c.readRest(region, data[k:]) != nil {
+			putSpillBuf(buf)
 			continue // a corrupt chain: the reader will find it
 		}
 		region.Free(c.off)
@@ -1561,7 +1605,7 @@ func (st *Stream) spill(region *buffer.Region) (held int) {
 		st.shm -= c.charge
 		st.s.shm.unread.Add(-int64(c.charge))
 		st.s.ctr.spilled.Add(uint64(len(data)))
-		*c = chunk{data: data, remain: len(data)}
+		*c = chunk{data: data, remain: len(data), buf: buf}
 		st.addHeap(len(data))
 		st.s.shm.noteFreed()
 	}
