@@ -13,9 +13,10 @@ import (
 // one message (at most one event's 64 KiB) at a time. Allocating each copy
 // costs the allocator's zeroing and a garbage collection every few
 // milliseconds, so the copies come from pools by size class and go back
-// once read: after a copying read (Read, Discard, WriteTo's own release),
-// or at ReleasePreviousRead or Close for the zero-copy views of Peek,
-// ReadBytes and ReadChunk, whose contract already ends there.
+// once read: as soon as Read copies them out or Discard skips them, or at
+// ReleasePreviousRead or Close behind the zero-copy views of Peek,
+// ReadBytes and ReadChunk (WriteTo releases after each chunk), whose
+// contract already ends there.
 
 const (
 	// minSpillBuf and maxSpillBuf bound the pooled capacities, powers of
@@ -67,7 +68,7 @@ func putSpillBuf(p *[]byte) {
 	if p == nil {
 		return
 	}
-	spillPools[bits.Len(uint(cap(*p)-1))-spillShift].Put(p)
+	spillPools[spillClass(cap(*p))].Put(p)
 }
 
 // The classes must cover minSpillBuf to maxSpillBuf exactly.
