@@ -595,7 +595,8 @@ const benchParallelStreams = 64
 
 // BenchmarkPingPongParallel: 64 streams on one client, each running round
 // trips as fast as it can (uds and tcp use 64 sockets; yamux, QUIC and
-// shmlink multiplex them over one connection or session).
+// shmlink multiplex them over one connection or session). Over shmlink it
+// also reports spill-KB/op and memfull/op (memoryStats).
 func BenchmarkPingPongParallel(b *testing.B) {
 	for _, transport := range benchTransports {
 		b.Run(transport, func(b *testing.B) {
@@ -624,6 +625,7 @@ func pingPongParallel(b *testing.B, transport string, size int) {
 	procs := runtime.GOMAXPROCS(0)
 	b.SetParallelism((benchParallelStreams + procs - 1) / procs)
 	cpu := benchCPU(b)
+	mem := newMemoryStats(bc)
 	b.ResetTimer()
 	cpu.Start(b)
 	var failed error
@@ -650,6 +652,35 @@ func pingPongParallel(b *testing.B, transport string, size int) {
 		b.Fatal(failed)
 	}
 	cpu.ReportCPU(b, b.N)
+	mem.report(b, b.N)
+}
+
+// memoryStats reports, for a shmlink client, how short its buffer regions
+// ran per op since stats0 (all its sessions): "spill-KB/op", the KiB of
+// received data copied out of shared memory for stalled readers
+// (docs/protocol.md section 13), and "memfull/op", the writes that found
+// the region exhausted and waited for space (or fell back).
+type memoryStats struct {
+	dialer *shmlink.Dialer
+	stats0 shmlink.Stats
+}
+
+// newMemoryStats starts counting for bc's Dialer, if it is shmlink's.
+func newMemoryStats(bc *benchClient) *memoryStats {
+	if bc.dialer == nil {
+		return nil
+	}
+	return &memoryStats{dialer: bc.dialer, stats0: bc.dialer.Stats()}
+}
+
+// report reports the counts per op since newMemoryStats.
+func (m *memoryStats) report(b *testing.B, ops int) {
+	if m == nil || ops <= 0 {
+		return
+	}
+	st := m.dialer.Stats()
+	b.ReportMetric(float64(st.Spilled-m.stats0.Spilled)/1024/float64(ops), "spill-KB/op")
+	b.ReportMetric(float64(st.MemoryFull-m.stats0.MemoryFull)/float64(ops), "memfull/op")
 }
 
 // BenchmarkStream: one-way messages of 10KB, 64KB and 1MB on one stream,
