@@ -30,10 +30,18 @@ fuzz:
 
 # The root module's benchmarks, then BenchmarkGRPC and BenchmarkInProcessGRPC,
 # which live in the gRPC example's module so that the main module does not
-# depend on gRPC.
+# depend on gRPC. They run in BENCHCOUNT rounds of one run each, not with
+# -count, so that each case's transports run minutes apart at most, within
+# the same phase of a shared host, in every round.
 bench:
-	$(GO) test -run '^$$' -bench . -benchmem -count $(BENCHCOUNT) . | tee bench.txt
-	cd example/grpc && $(GO) test -run '^$$' -bench 'BenchmarkGRPC|BenchmarkInProcessGRPC' -benchmem -count $(BENCHCOUNT) . | tee -a ../../bench.txt
+	rm -f bench.txt
+	$(GO) test -c -o bench-root.test .
+	cd example/grpc && $(GO) test -c -o ../../bench-grpc.test .
+	for r in $$(seq $(BENCHCOUNT)); do \
+		./bench-root.test -test.run '^$$' -test.bench . -test.benchmem | tee -a bench.txt; \
+		(cd example/grpc && ../../bench-grpc.test -test.run '^$$' -test.bench 'BenchmarkGRPC|BenchmarkInProcessGRPC' -test.benchmem) | tee -a bench.txt; \
+	done
+	rm -f bench-root.test bench-grpc.test
 
 example:
 	$(GO) run ./example/helloworld
