@@ -31,8 +31,8 @@ fuzz:
 # The root module's benchmarks, then BenchmarkGRPC and BenchmarkInProcessGRPC,
 # which live in the gRPC example's module so that the main module does not
 # depend on gRPC. They run in BENCHCOUNT rounds of one run each, not with
-# -count, so that each case's transports run minutes apart at most, within
-# the same phase of a shared host, in every round.
+# -count, so that in every round each case's transports run seconds apart,
+# within the same phase of a shared host.
 bench:
 	rm -f bench.txt
 	$(GO) test -c -o bench-root.test .
