@@ -22,6 +22,7 @@ func TestMain(m *testing.M) {
 		"upgrade-server": runUpgradeServer,
 		"bench":          runBenchServer,
 		"emfile-server":  runEMFILEServer,
+		"small-tmpfs":    runSmallTmpfs,
 	})
 	code := m.Run()
 	stopBenchServer()

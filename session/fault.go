@@ -14,18 +14,21 @@ import (
 // it (shm.SealShrink), but a file cannot be, so every access to the peer's
 // memory runs with runtime/debug.SetPanicOnFault set: a fault becomes a
 // panic that guard recovers as a *faultError, and the session ends with it
-// (docs/protocol.md section 13). Locks taken under a guard are released by
+// (docs/protocol.md section 13). A write to a page of a sparse file that
+// its file system has no room for faults the same way; the files this
+// process creates have their blocks allocated (shm.CreateFile), but a
+// peer's may not. Locks taken under a guard are released by
 // deferred calls, so that nothing stays locked after such a panic.
 //
 // Bytes that zero-copy calls (Peek, ReadBytes, ReadChunk, Reserve) hand to
 // the application are outside any guard: on memory the peer can truncate,
 // the application's own access to them may fault.
 
-// faultError is a fault on the peer's shared memory.
+// faultError is a fault on shared memory.
 type faultError struct{ addr uintptr }
 
 func (e *faultError) Error() string {
-	return fmt.Sprintf("fault at address %#x: the peer truncated its shared memory", e.addr)
+	return fmt.Sprintf("fault at address %#x: the shared memory was truncated, or its file system is full", e.addr)
 }
 
 // Unwrap makes a fault an error wrapping buffer.ErrCorrupt.

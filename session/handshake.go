@@ -191,15 +191,27 @@ func createShared(cfg *Config, mt MemoryType, meta wire.ShmMetadata) (*memory, [
 	if mem.queueMem, err = shm.Map(int(files[1].Fd()), queueSize); err != nil {
 		return fail("map queue", err)
 	}
-	// The last markerSize bytes stay out of the region, for the client's
-	// marker (clientHandshakeMarking) and then the server's (marker.go).
-	if mem.region, err = buffer.Format(mem.bufMem[:len(mem.bufMem)-markerSize], cfg.SizeClasses); err != nil {
-		return fail("format buffer", err)
-	}
-	// The client sends on the first half and receives on the second
-	// (docs/protocol.md section 3).
-	if mem.send, mem.recv, err = queue.FormatPair(mem.queueMem, cfg.QueueCap); err != nil {
-		return fail("format queue", err)
+	// Formatting writes a header into every slice. A file's blocks were
+	// allocated when it was created (shm.CreateFile), but on a file
+	// system without fallocate a write may still find no room and fault:
+	// the guard makes that an error (fault.go).
+	err = guard(func() error {
+		// The last markerSize bytes stay out of the region, for the
+		// client's marker (clientHandshakeMarking) and then the server's
+		// (marker.go).
+		var err error
+		if mem.region, err = buffer.Format(mem.bufMem[:len(mem.bufMem)-markerSize], cfg.SizeClasses); err != nil {
+			return fmt.Errorf("format buffer: %w", err)
+		}
+		// The client sends on the first half and receives on the second
+		// (docs/protocol.md section 3).
+		if mem.send, mem.recv, err = queue.FormatPair(mem.queueMem, cfg.QueueCap); err != nil {
+			return fmt.Errorf("format queue: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return fail("format", err)
 	}
 	return mem, files, nil
 }

@@ -59,10 +59,18 @@ func SealShrink(fd int) bool {
 }
 
 // CreateFile creates the file at path with O_EXCL, mode 0600 (whatever the
-// umask) and close-on-exec, and sizes it to size bytes. It fails with an
-// *os.PathError wrapping fs.ErrExist if the path exists, so a file planted by
-// someone else is never used. The caller owns the returned file and must
+// umask) and close-on-exec, sizes it to size bytes and allocates its blocks.
+// It fails with an *os.PathError wrapping fs.ErrExist if the path exists, so
+// a file planted by someone else is never used, and with one wrapping
+// syscall.ENOSPC (op "fallocate") if the file system cannot hold size more
+// bytes; the file is then removed. On a file system without fallocate (not
+// tmpfs) the file stays sparse. The caller owns the returned file and must
 // Close it and, when it is no longer needed by any peer, Remove the path.
+//
+// The blocks are allocated up front because a sparse file on a full tmpfs
+// (a container's /dev/shm is 64 MB by default) takes its pages at the
+// first write to each, and a write that finds no room faults (SIGBUS)
+// instead of failing (docs/protocol.md section 13).
 func CreateFile(path string, size int) (*os.File, error) {
 	if size <= 0 || size > MaxMapSize {
 		return nil, fmt.Errorf("%w: %d bytes", ErrBadSize, size)
@@ -82,6 +90,11 @@ func CreateFile(path string, size int) (*os.File, error) {
 		os.Remove(path)
 		return nil, err
 	}
+	if err := allocate(int(f.Fd()), int64(size)); err != nil {
+		f.Close()
+		os.Remove(path)
+		return nil, &os.PathError{Op: "fallocate", Path: path, Err: err}
+	}
 	// The owner's mark, which outlives pid namespaces: see Stale.
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_SH); err != nil {
 		f.Close()
@@ -89,6 +102,24 @@ func CreateFile(path string, size int) (*os.File, error) {
 		return nil, os.NewSyscallError("flock", err)
 	}
 	return f, nil
+}
+
+// allocate allocates the blocks of the first size bytes of the file fd
+// (fallocate(2), mode 0, which keeps the file's size). It returns nil on
+// a file system that does not support it, and retries while a signal
+// interrupts it: tmpfs gives up with EINTR at a pending signal, and the Go
+// runtime signals its threads to preempt goroutines.
+func allocate(fd int, size int64) error {
+	for {
+		err := unix.Fallocate(fd, 0, 0, size)
+		switch err {
+		case unix.EINTR:
+			continue
+		case unix.EOPNOTSUPP, unix.ENOSYS:
+			return nil
+		}
+		return err
+	}
 }
 
 // Stale reports whether the file at path, made by CreateFile, is no

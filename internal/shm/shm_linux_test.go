@@ -68,6 +68,23 @@ func TestCreateFile(t *testing.T) {
 	require.ErrorIs(t, err, ErrNotRegular)
 }
 
+// CreateFile allocates a file's blocks, so that a write into a mapping of
+// it cannot find its tmpfs full and fault (SIGBUS). /dev/shm is the
+// default ShmDir, and tmpfs supports fallocate.
+func TestCreateFileAllocates(t *testing.T) {
+	dir, err := os.MkdirTemp("/dev/shm", "shmlink-test-")
+	require.NoError(t, err)
+	defer os.RemoveAll(dir)
+	p := filepath.Join(dir, "region")
+	f, err := CreateFile(p, 1<<20)
+	require.NoError(t, err)
+	defer f.Close()
+	var st unix.Stat_t
+	require.NoError(t, unix.Fstat(int(f.Fd()), &st))
+	require.EqualValues(t, 1<<20, st.Size)
+	require.GreaterOrEqual(t, st.Blocks*512, int64(1<<20), "blocks allocated")
+}
+
 func TestSendRecvFds(t *testing.T) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	require.NoError(t, err)
