@@ -53,9 +53,10 @@ func runSmallTmpfs(p peertest.Params) int {
 	defer ln.Close()
 	peertest.ServeEach(ln, func(c net.Conn) { peertest.ServeStream(c) })
 
-	// dial opens a stream with a file-backed region of size bytes.
+	// dial opens a stream with a file-backed region of size bytes, on a
+	// Dialer that wants a session per stream (the "grow" step).
 	dial := func(network, addr string, size int) (*shmlink.Dialer, net.Conn, error) {
-		d := &shmlink.Dialer{Config: &shmlink.Config{
+		d := &shmlink.Dialer{StreamsPerSession: 1, Config: &shmlink.Config{
 			MemoryType: shmlink.MemoryFile, ShmDir: p.ShmDir, BufferSize: size,
 		}}
 		c, err := d.Dial(network, addr)
@@ -111,6 +112,27 @@ func runSmallTmpfs(p peertest.Params) int {
 	}
 	fmt.Println("ok second")
 
+	// A Dialer that wants a session per stream keeps the stream on the
+	// session it has when the next one does not fit.
+	c3, err := d1.Dial("unix", p.Addr)
+	if err != nil {
+		return fail("a second stream while the tmpfs is full: %v", err)
+	}
+	if n := d1.NumSessions(); n != 1 {
+		return fail("%d sessions after a second one did not fit, want 1", n)
+	}
+	if _, err := c3.Write(peertest.Command(peertest.CmdEcho, 0)); err != nil {
+		return fail("echo command: %v", err)
+	}
+	if err := echo(c3, 6<<20, 3); err != nil {
+		return fail("echo on the second stream: %v", err)
+	}
+	if err := empty(); err != nil {
+		return fail("%v", err)
+	}
+	c3.Close()
+	fmt.Println("ok grow")
+
 	tl, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
 	if err != nil {
 		return fail("listen tcp: %v", err)
@@ -142,7 +164,7 @@ func runSmallTmpfs(p peertest.Params) int {
 	if _, err := c2.Write(peertest.Command(peertest.CmdEcho, 0)); err != nil {
 		return fail("echo command: %v", err)
 	}
-	if err := echo(c2, 6<<20, 3); err != nil {
+	if err := echo(c2, 6<<20, 4); err != nil {
 		return fail("echo in the second region: %v", err)
 	}
 	fmt.Println("ok again")
@@ -181,7 +203,7 @@ func TestFileRegionFullTmpfs(t *testing.T) {
 	err := cmd.Wait()
 	kill.Stop()
 	require.NoError(t, err, "stdout:\n%s\nstderr:\n%s", out.String(), stderr.String())
-	require.Equal(t, "ok too-large\nok fits\nok second\nok tcp\nok again\n", out.String())
+	require.Equal(t, "ok too-large\nok fits\nok second\nok grow\nok tcp\nok again\n", out.String())
 	entries, err := os.ReadDir(shmDir)
 	require.NoError(t, err)
 	require.Empty(t, entries, "the tmpfs was seen outside the child")
