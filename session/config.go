@@ -87,7 +87,12 @@ func init() { maxPollTime.Store(int64(10 * time.Millisecond)) }
 type Config struct {
 	// BufferSize is the size in bytes of the buffer region a client creates
 	// (docs/protocol.md section 2). Default 32 MiB. Servers
-	// map whatever the client created.
+	// map whatever the client created. A memfd region takes memory for one
+	// page per slice when it is formatted (about 9.4 MiB of the default
+	// 32 MiB) and for the rest as data first passes through it; a
+	// file-backed region takes all of it at the dial, which fails with an
+	// error wrapping syscall.ENOSPC if ShmDir's file system has no room
+	// (docs/protocol.md section 13).
 	BufferSize int
 
 	// SizeClasses are the slice sizes (data bytes per slice) and the share
