@@ -134,7 +134,12 @@ func clientHandshakeMarking(conn net.Conn, cfg *Config, mark bool) (_ *memory, v
 	}
 	defer closeFiles(files)
 	if mark {
-		markClientRegion(mem.bufMem) // our own fresh mapping: no fault
+		// Our own fresh mapping, whose blocks are allocated; guarded for
+		// a file system without fallocate, as createShared's format.
+		if err = guard(func() error { markClientRegion(mem.bufMem); return nil }); err != nil {
+			mem.release()
+			return nil, 0, handshakeError("marker", err)
+		}
 	}
 	if version, err = shareV3(conn, uc, mt, meta, files); err != nil {
 		mem.release()
@@ -201,12 +206,12 @@ func createShared(cfg *Config, mt MemoryType, meta wire.ShmMetadata) (*memory, [
 		// (marker.go).
 		var err error
 		if mem.region, err = buffer.Format(mem.bufMem[:len(mem.bufMem)-markerSize], cfg.SizeClasses); err != nil {
-			return fmt.Errorf("format buffer: %w", err)
+			return fmt.Errorf("buffer: %w", err)
 		}
 		// The client sends on the first half and receives on the second
 		// (docs/protocol.md section 3).
 		if mem.send, mem.recv, err = queue.FormatPair(mem.queueMem, cfg.QueueCap); err != nil {
-			return fmt.Errorf("format queue: %w", err)
+			return fmt.Errorf("queue: %w", err)
 		}
 		return nil
 	})
