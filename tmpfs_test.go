@@ -45,13 +45,21 @@ func runSmallTmpfs(p peertest.Params) int {
 		}
 		return nil
 	}
+	// serve starts a server with its ShmDir in the tmpfs.
 	lc := shmlink.ListenConfig{Config: &shmlink.Config{ShmDir: p.ShmDir}}
-	ln, err := lc.Listen(context.Background(), "unix", p.Addr)
+	serve := func(network, addr string) (*shmlink.Listener, error) {
+		ln, err := lc.Listen(context.Background(), network, addr)
+		if err != nil {
+			return nil, err
+		}
+		peertest.ServeEach(ln, func(c net.Conn) { peertest.ServeStream(c) })
+		return ln, nil
+	}
+	ln, err := serve("unix", p.Addr)
 	if err != nil {
 		return fail("listen: %v", err)
 	}
 	defer ln.Close()
-	peertest.ServeEach(ln, func(c net.Conn) { peertest.ServeStream(c) })
 
 	// dial opens a stream with a file-backed region of size bytes, on a
 	// Dialer that wants a session per stream (the "grow" step).
@@ -80,9 +88,16 @@ func runSmallTmpfs(p peertest.Params) int {
 		}
 		return empty()
 	}
-	echo := func(c net.Conn, n int, seed uint64) error {
+	// echo echoes 6 MiB, three times the regions that fit, so that every
+	// slice is written; start asks the server to echo first.
+	echo := func(c net.Conn, seed uint64, start bool) error {
 		c.SetDeadline(time.Now().Add(20 * time.Second))
-		return peertest.Echo(c, n, seed)
+		if start {
+			if _, err := c.Write(peertest.Command(peertest.CmdEcho, 0)); err != nil {
+				return fmt.Errorf("echo command: %w", err)
+			}
+		}
+		return peertest.Echo(c, 6<<20, seed)
 	}
 
 	if err := refused("unix", p.Addr, 2*smallTmpfsSize); err != nil {
@@ -95,11 +110,7 @@ func runSmallTmpfs(p peertest.Params) int {
 		return fail("a region of 2 MiB: %v", err)
 	}
 	defer d1.Close()
-	if _, err := c1.Write(peertest.Command(peertest.CmdEcho, 0)); err != nil {
-		return fail("echo command: %v", err)
-	}
-	// Three times the region, so that every slice is written.
-	if err := echo(c1, 6<<20, 1); err != nil {
+	if err := echo(c1, 1, true); err != nil {
 		return fail("echo in the region that fits: %v", err)
 	}
 	fmt.Println("ok fits")
@@ -107,7 +118,7 @@ func runSmallTmpfs(p peertest.Params) int {
 	if err := refused("unix", p.Addr, 2<<20); err != nil {
 		return fail("second session: %v", err)
 	}
-	if err := echo(c1, 6<<20, 2); err != nil {
+	if err := echo(c1, 2, false); err != nil {
 		return fail("echo after the second session was refused: %v", err)
 	}
 	fmt.Println("ok second")
@@ -121,10 +132,7 @@ func runSmallTmpfs(p peertest.Params) int {
 	if n := d1.NumSessions(); n != 1 {
 		return fail("%d sessions after a second one did not fit, want 1", n)
 	}
-	if _, err := c3.Write(peertest.Command(peertest.CmdEcho, 0)); err != nil {
-		return fail("echo command: %v", err)
-	}
-	if err := echo(c3, 6<<20, 3); err != nil {
+	if err := echo(c3, 3, true); err != nil {
 		return fail("echo on the second stream: %v", err)
 	}
 	if err := empty(); err != nil {
@@ -133,12 +141,11 @@ func runSmallTmpfs(p peertest.Params) int {
 	c3.Close()
 	fmt.Println("ok grow")
 
-	tl, err := lc.Listen(context.Background(), "tcp", "127.0.0.1:0")
+	tl, err := serve("tcp", "127.0.0.1:0")
 	if err != nil {
 		return fail("listen tcp: %v", err)
 	}
 	defer tl.Close()
-	peertest.ServeEach(tl, func(c net.Conn) { peertest.ServeStream(c) })
 	if err := refused("tcp", tl.Addr().String(), 2<<20); err != nil {
 		return fail("tcp: %v", err)
 	}
@@ -150,21 +157,17 @@ func runSmallTmpfs(p peertest.Params) int {
 	c1.Close()
 	d1.Close()
 	ln.CloseSessions()
-	ln2, err := lc.Listen(context.Background(), "unix", p.Addr+"2")
+	ln2, err := serve("unix", p.Addr+"2")
 	if err != nil {
 		return fail("listen: %v", err)
 	}
 	defer ln2.Close()
-	peertest.ServeEach(ln2, func(c net.Conn) { peertest.ServeStream(c) })
 	d2, c2, err := dial("unix", p.Addr+"2", 2<<20)
 	if err != nil {
 		return fail("a region of 2 MiB after the first session ended: %v", err)
 	}
 	defer d2.Close()
-	if _, err := c2.Write(peertest.Command(peertest.CmdEcho, 0)); err != nil {
-		return fail("echo command: %v", err)
-	}
-	if err := echo(c2, 6<<20, 4); err != nil {
+	if err := echo(c2, 4, true); err != nil {
 		return fail("echo in the second region: %v", err)
 	}
 	fmt.Println("ok again")
