@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"io"
 	"net"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
@@ -59,19 +60,32 @@ func wireHeaderV(v, typ byte, n int) []byte {
 // runs the v3 memfd handshake (docs/protocol.md section 1.4) by hand.
 func dialHostile(t *testing.T, addr string) *hostilePeer {
 	t.Helper()
+	p := shareHostile(t, addr, hostileMemfd)
+	p.expect(t, msgAckShareMemory)
+	return p
+}
+
+// hostileMemfd creates a memfd of size bytes that does not allow sealing,
+// and maps it.
+func hostileMemfd(t *testing.T, size int) (int, []byte) {
+	fd, err := unix.MemfdCreate("hostile", unix.MFD_CLOEXEC) // no sealing allowed
+	require.NoError(t, err)
+	require.NoError(t, unix.Ftruncate(fd, int64(size)))
+	mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	require.NoError(t, err)
+	return fd, mem
+}
+
+// shareHostile is dialHostile up to the server's answer to the memfds it
+// sends, the buffer region's made by newBuffer (a descriptor and its
+// mapping), the queue's by hostileMemfd.
+func shareHostile(t *testing.T, addr string, newBuffer func(t *testing.T, size int) (int, []byte)) *hostilePeer {
+	t.Helper()
 	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: addr, Net: "unix"})
 	require.NoError(t, err)
 	p := &hostilePeer{conn: c}
-	memfd := func(size int) (int, []byte) {
-		fd, err := unix.MemfdCreate("hostile", unix.MFD_CLOEXEC) // no sealing allowed
-		require.NoError(t, err)
-		require.NoError(t, unix.Ftruncate(fd, int64(size)))
-		mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-		require.NoError(t, err)
-		return fd, mem
-	}
-	p.bufFd, p.bufMem = memfd(4 << 20)
-	p.queueFd, p.qMem = memfd(queue.Size(8192))
+	p.bufFd, p.bufMem = newBuffer(t, 4<<20)
+	p.queueFd, p.qMem = hostileMemfd(t, queue.Size(8192))
 	t.Cleanup(func() {
 		c.Close()
 		unix.Munmap(p.bufMem) // not touched after a truncation: unmapped only
@@ -96,7 +110,6 @@ func dialHostile(t *testing.T, addr string) *hostilePeer {
 	p.expect(t, msgAckReadyRecvFD)
 	_, _, err = c.WriteMsgUnix([]byte{0}, unix.UnixRights(p.bufFd, p.queueFd), nil)
 	require.NoError(t, err)
-	p.expect(t, msgAckShareMemory)
 	return p
 }
 
@@ -219,6 +232,48 @@ func TestHostileTruncation(t *testing.T) {
 		require.NoError(t, unix.Ftruncate(p.bufFd, 0))
 		requireStillServes(t, proc, addr, dir)
 	})
+}
+
+// A client that sends, in place of a memfd, a file of a disk's file system
+// is refused before the server maps it: a page fault on a file system the
+// peer controls (FUSE, NFS) could hold a server thread in the kernel for
+// ever, past every deadline (docs/protocol.md section 9). The server
+// closes the connection instead of acknowledging, and serves others.
+func TestHostileMemfdNotShared(t *testing.T) {
+	proc, addr, dir := startServerPeer(t)
+	diskFile := func(t *testing.T, size int) (int, []byte) {
+		// The package's directory, in the checkout, or another directory
+		// that is not tmpfs.
+		for _, d := range []string{".", "/var/tmp", os.TempDir()} {
+			f, err := os.CreateTemp(d, "hostile-disk-")
+			if err != nil {
+				continue
+			}
+			os.Remove(f.Name())
+			fd, err := unix.Dup(int(f.Fd()))
+			require.NoError(t, err)
+			f.Close()
+			var fs unix.Statfs_t
+			require.NoError(t, unix.Fstatfs(fd, &fs))
+			if fs.Type == unix.TMPFS_MAGIC {
+				unix.Close(fd)
+				continue
+			}
+			require.NoError(t, unix.Ftruncate(fd, int64(size)))
+			mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+			require.NoError(t, err)
+			return fd, mem
+		}
+		t.Skip("no directory outside tmpfs to make a disk file in")
+		return -1, nil
+	}
+	p := shareHostile(t, addr, diskFile)
+	require.NoError(t, p.conn.SetReadDeadline(time.Now().Add(10*time.Second)))
+	var h [8]byte
+	n, err := io.ReadFull(p.conn, h[:])
+	require.Zero(t, n, "the server answered: message type %d", h[7])
+	require.ErrorIs(t, err, io.EOF, "the server closes the connection")
+	requireStillServes(t, proc, addr, dir)
 }
 
 // A client that keeps the server's receive queue full of harmless events

@@ -382,6 +382,11 @@ func recvMemfds(conn net.Conn, version uint8) (*memory, error) {
 	}
 	defer shm.CloseFd(fds[0])
 	defer shm.CloseFd(fds[1])
+	for _, fd := range fds {
+		if err := shm.CheckMemfd(fd); err != nil {
+			return nil, handshakeError("memfd", err)
+		}
+	}
 	return mapShared(fds[0], fds[1])
 }
 

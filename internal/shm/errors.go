@@ -31,6 +31,10 @@ var (
 	// ErrChanged is returned by OpenFile when the file it opened is not the
 	// one it checked: the name was replaced in between.
 	ErrChanged = errors.New("shm: file replaced while being opened")
+
+	// ErrNotShared is returned by CheckMemfd when a descriptor a peer sent
+	// is not a regular file of tmpfs or hugetlbfs.
+	ErrNotShared = errors.New("shm: not shared memory")
 )
 
 // MaxMapSize is the largest mapping this package creates or accepts, in

@@ -230,6 +230,32 @@ func Size(fd int) (int, error) {
 	return int(st.Size), nil
 }
 
+// CheckMemfd checks that fd, which a peer sent in place of a memfd
+// (docs/protocol.md section 1.4), is a regular file of tmpfs or hugetlbfs:
+// a memfd, or a file of /dev/shm. Anything else gets an error wrapping
+// ErrNotShared: a device, or a file on a disk, on NFS or on a FUSE file
+// system that the peer itself serves, where a page fault on our mapping
+// would wait for I/O, or for the peer, in the kernel, beyond the reach of
+// any deadline.
+func CheckMemfd(fd int) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return os.NewSyscallError("fstat", err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return fmt.Errorf("%w: not a regular file (mode %#o)", ErrNotShared, st.Mode)
+	}
+	var fs unix.Statfs_t
+	if err := unix.Fstatfs(fd, &fs); err != nil {
+		return os.NewSyscallError("fstatfs", err)
+	}
+	switch uint32(fs.Type) {
+	case unix.TMPFS_MAGIC, unix.HUGETLBFS_MAGIC:
+		return nil
+	}
+	return fmt.Errorf("%w: a file of file system %#x, not tmpfs", ErrNotShared, uint32(fs.Type))
+}
+
 // Map maps the whole file behind fd shared and read-write. If want is not 0,
 // the file must be exactly want bytes; otherwise any size from 1 byte to
 // MaxMapSize is accepted. It returns ErrBadSize otherwise. The returned

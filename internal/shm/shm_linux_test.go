@@ -85,6 +85,41 @@ func TestCreateFileAllocates(t *testing.T) {
 	require.GreaterOrEqual(t, st.Blocks*512, int64(1<<20), "blocks allocated")
 }
 
+// CheckMemfd takes memfds and tmpfs files, and refuses other files and
+// anything that is not a regular file.
+func TestCheckMemfd(t *testing.T) {
+	m, err := CreateMemfd("shmlink-test", 4096)
+	require.NoError(t, err)
+	defer m.Close()
+	require.NoError(t, CheckMemfd(int(m.Fd())))
+
+	dir, err := os.MkdirTemp("/dev/shm", "shmlink-test-")
+	require.NoError(t, err)
+	defer os.RemoveAll(dir)
+	f, err := CreateFile(filepath.Join(dir, "region"), 4096)
+	require.NoError(t, err)
+	defer f.Close()
+	require.NoError(t, CheckMemfd(int(f.Fd())))
+
+	r, w, err := os.Pipe()
+	require.NoError(t, err)
+	defer r.Close()
+	defer w.Close()
+	require.ErrorIs(t, CheckMemfd(int(r.Fd())), ErrNotShared)
+
+	// The package's directory, in the checkout: a disk's file system,
+	// unless the checkout is on tmpfs.
+	d, err := os.CreateTemp(".", "disk-")
+	require.NoError(t, err)
+	os.Remove(d.Name())
+	defer d.Close()
+	var fs unix.Statfs_t
+	require.NoError(t, unix.Fstatfs(int(d.Fd()), &fs))
+	if fs.Type != unix.TMPFS_MAGIC {
+		require.ErrorIs(t, CheckMemfd(int(d.Fd())), ErrNotShared)
+	}
+}
+
 func TestSendRecvFds(t *testing.T) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	require.NoError(t, err)

@@ -28,6 +28,9 @@ func OpenFile(path string, uid int) (*os.File, error) { return nil, ErrUnsupport
 // Size returns ErrUnsupported on this platform.
 func Size(fd int) (int, error) { return 0, ErrUnsupported }
 
+// CheckMemfd returns ErrUnsupported on this platform.
+func CheckMemfd(fd int) error { return ErrUnsupported }
+
 // Map returns ErrUnsupported on this platform.
 func Map(fd int, want int) ([]byte, error) { return nil, ErrUnsupported }
 
