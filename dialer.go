@@ -21,8 +21,9 @@ func Dial(network, address string) (net.Conn, error) {
 }
 
 // DialContext is Dial with a context that bounds the connection and the
-// handshake. The "quic" network needs a Dialer with TLSConfig: here it
-// returns a *ConfigError.
+// handshake: once ctx is done, it returns an error wrapping ctx.Err(). The
+// "quic" network needs a Dialer with TLSConfig: here it returns a
+// *ConfigError.
 func DialContext(ctx context.Context, network, address string) (net.Conn, error) {
 	if network == "quic" {
 		_, err := quicTLS(nil, false) // the "quic" network needs a Dialer with TLSConfig
@@ -42,9 +43,10 @@ func DialContext(ctx context.Context, network, address string) (net.Conn, error)
 }
 
 // dialSession connects to network and address and runs the client
-// handshake with cfg (nil: the defaults), bounded by ctx's deadline too. It
+// handshake with cfg (nil: the defaults), both bounded by ctx too. It
 // returns the session, owned by the caller, or ErrNetwork (wrapped), the
-// dial error or the handshake error.
+// dial error or the handshake error; when ctx ended the dial or the
+// handshake, the error wraps ctx.Err().
 func dialSession(ctx context.Context, cfg *Config, network, address string) (*session.Session, error) {
 	if err := checkNetwork(network); err != nil {
 		return nil, err
@@ -54,17 +56,7 @@ func dialSession(ctx context.Context, cfg *Config, network, address string) (*se
 	if err != nil {
 		return nil, err
 	}
-	if dl, ok := ctx.Deadline(); ok {
-		c := session.Config{}
-		if cfg != nil {
-			c = *cfg
-		}
-		if d := time.Until(dl); c.HandshakeTimeout == 0 || d < c.HandshakeTimeout {
-			c.HandshakeTimeout = max(d, 1)
-		}
-		cfg = &c
-	}
-	return session.Client(conn, cfg)
+	return session.ClientContext(ctx, conn, cfg)
 }
 
 // Defaults of a Dialer's session pool.
@@ -112,7 +104,7 @@ const (
 // closed the stream too. A session idle for IdleTimeout is closed.
 //
 // A session whose server announces a hot restart (docs/protocol.md
-// section 7; ListenConfig.UpgradeSocket) takes no new stream and no longer
+// sections 5 and 14; ListenConfig.UpgradeSocket) takes no new stream and no longer
 // counts against MaxSessions: the next dial opens a session to the new
 // server process, with the epoch in its shared-memory names, while the
 // streams in flight finish on the old one, which then acknowledges and
@@ -269,8 +261,10 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 // is written (it is announced, docs/protocol.md section 11); other servers
 // see it at its first byte. It returns ErrNetwork for other networks,
 // a *ConfigError for a bad field, an error satisfying errors.Is(err,
-// net.ErrClosed) after Close, ctx.Err() when ctx is done first, and the
-// dial or handshake error.
+// net.ErrClosed) after Close, an error wrapping ctx.Err() when ctx is
+// done first (also in the middle of a handshake, which it then ends), and
+// the dial or handshake error. A dial that waits for another's handshake
+// dials again if that one ended for its own context.
 func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
 	if network == "quic" {
 		return d.dialQUIC(ctx, address)

@@ -474,9 +474,13 @@ func (l *Listener) acceptLoop() {
 // Accept until the session ends or the listener closes.
 func (l *Listener) serve(conn net.Conn) {
 	defer l.wg.Done()
-	s, err := session.Server(conn, &l.cfg)
+	// Close ends a handshake in flight: its session would be closed
+	// below anyway, and Shutdown and CloseSessions wait for this goroutine.
+	s, err := session.ServerContext(l.ctx, conn, &l.cfg)
 	if err != nil {
-		l.handshakeFailed(conn, err)
+		if l.ctx.Err() == nil { // else ended by Close: not the peer's failure
+			l.handshakeFailed(conn, err)
+		}
 		return
 	}
 	l.mu.Lock()

@@ -139,21 +139,42 @@ type idleState struct {
 // returns a session that opens streams. A nil cfg means the defaults. Over
 // a Unix socket with MemoryAuto it uses v3 and memfds; over TCP, v2 with
 // files in cfg.ShmDir. The session owns conn from then on, also when Client
-// fails: conn is closed then.
+// fails: conn is closed then. It returns a *ConfigError if cfg is invalid,
+// and a *SessionError wrapping ErrHandshake if the handshake fails
+// (Config.HandshakeTimeout bounds it).
 func Client(conn net.Conn, cfg *Config) (*Session, error) {
-	return start(conn, cfg, true)
+	return start(context.Background(), conn, cfg, true)
+}
+
+// ClientContext is Client bounded by ctx too: if ctx is done before the
+// handshake completes, conn is closed, everything the handshake created is
+// released, and the error wraps ErrHandshake and ctx.Err(). Once it has
+// returned, ctx no longer affects the session.
+func ClientContext(ctx context.Context, conn net.Conn, cfg *Config) (*Session, error) {
+	return start(ctx, conn, cfg, true)
 }
 
 // Server runs the server side of the handshake over conn, accepting the v2
 // and v3 handshakes (docs/protocol.md section 1.4), and returns a session
 // whose streams come from AcceptStream. A nil cfg means the defaults. The
 // session owns conn from then on, also when Server fails: conn is closed
-// then. A failed handshake returns a *SessionError wrapping ErrHandshake.
+// then. It returns a *ConfigError if cfg is invalid, and a *SessionError
+// wrapping ErrHandshake if the handshake fails (Config.HandshakeTimeout
+// bounds it).
 func Server(conn net.Conn, cfg *Config) (*Session, error) {
-	return start(conn, cfg, false)
+	return start(context.Background(), conn, cfg, false)
 }
 
-func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
+// ServerContext is Server bounded by ctx too, as ClientContext is Client.
+func ServerContext(ctx context.Context, conn net.Conn, cfg *Config) (*Session, error) {
+	return start(ctx, conn, cfg, false)
+}
+
+// start runs the handshake on conn and starts the session. A ctx that is
+// done during the handshake closes conn, which ends the handshake's reads
+// and writes at once; its own deadline (HandshakeTimeout) cannot override
+// that, as it could a deadline set from ctx.
+func start(ctx context.Context, conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 	if cfg != nil {
 		if err := cfg.Validate(); err != nil {
 			conn.Close()
@@ -165,7 +186,14 @@ func start(conn net.Conn, cfg *Config, isClient bool) (*Session, error) {
 	if isClient {
 		handshake = clientHandshake
 	}
+	stop := context.AfterFunc(ctx, func() { conn.Close() })
 	mem, version, err := handshake(conn, &c)
+	if !stop() && ctx.Err() != nil { // ctx closed conn, or is closing it
+		if err == nil {
+			mem.release()
+		}
+		err = handshakeError("canceled", ctx.Err())
+	}
 	if err != nil {
 		conn.Close()
 		c.Logger.Debug("shmlink: handshake failed", "remote", conn.RemoteAddr(), "err", err)
