@@ -47,6 +47,7 @@ var (
 	ErrProtocol      = session.ErrProtocol
 	ErrPeerRefused   = session.ErrPeerRefused
 	ErrPathRefused   = session.ErrPathRefused
+	ErrBadLength     = session.ErrBadLength
 
 	// errDialerClosed is returned by a Dialer's dials after Close.
 	errDialerClosed = fmt.Errorf("shmlink: dialer closed: %w", net.ErrClosed)

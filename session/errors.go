@@ -47,6 +47,12 @@ var (
 	// for longer than Config.QueueFullTimeout.
 	ErrQueueFull = errors.New("shmlink: IO queue full")
 
+	// ErrBadLength is wrapped by the error of a zero-copy call given a
+	// length it cannot serve: Reserve outside [1, Session.MaxSliceSize()],
+	// Peek and ReadChunk below 1. Nothing is reserved or consumed, and the
+	// stream stays usable.
+	ErrBadLength = errors.New("shmlink: length out of range")
+
 	// ErrStreamIDs is returned by OpenStream when the 32-bit stream id space
 	// of the session is used up.
 	ErrStreamIDs = errors.New("shmlink: stream ids exhausted")

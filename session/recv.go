@@ -1044,7 +1044,8 @@ func (st *Stream) Read(p []byte) (n int, err error) {
 // ReleasePreviousRead, or until Close; otherwise it is a fresh copy owned
 // by the caller. Treat every result as the former. It returns io.EOF if
 // the peer closed with no bytes left, io.ErrUnexpectedEOF if it closed with
-// fewer than n, and the errors of Read otherwise. n must be positive.
+// fewer than n, one wrapping ErrBadLength if n is not positive, and the
+// errors of Read otherwise.
 func (st *Stream) Peek(n int) ([]byte, error) {
 	st.startRead()
 	defer st.endRead()
@@ -1053,7 +1054,7 @@ func (st *Stream) Peek(n int) ([]byte, error) {
 
 func (st *Stream) peek(n int) (b []byte, err error) {
 	if n <= 0 {
-		return nil, errors.New("shmlink: Peek of a non-positive length")
+		return nil, fmt.Errorf("shmlink: Peek of %d bytes: %w", n, ErrBadLength)
 	}
 	short := false
 	err = st.whenReadable(n, func(region *buffer.Region) error {
@@ -1112,13 +1113,13 @@ func (st *Stream) ReadBytes(n int) ([]byte, error) {
 // shared memory (or the message, or the copy) and stays valid until
 // ReleasePreviousRead or Close, which recycle the slices and copies behind
 // every result returned since the last release. It returns io.EOF once the
-// peer closed and every byte was read, and the errors of Read otherwise;
-// max must be positive.
+// peer closed and every byte was read, one wrapping ErrBadLength if max is
+// not positive, and the errors of Read otherwise.
 func (st *Stream) ReadChunk(max int) (b []byte, err error) {
 	st.startRead()
 	defer st.endRead()
 	if max <= 0 {
-		return nil, errors.New("shmlink: ReadChunk of a non-positive length")
+		return nil, fmt.Errorf("shmlink: ReadChunk of at most %d bytes: %w", max, ErrBadLength)
 	}
 	err = st.whenReadable(1, func(region *buffer.Region) error {
 		c := &st.recv[st.rhead]

@@ -3,6 +3,7 @@ package session
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"runtime"
@@ -307,7 +308,8 @@ func (s *Session) MaxSliceSize() int {
 // Config.Fallback), and later ones, whose earlier bytes may not be filled
 // yet, return heap memory that Flush copies out. Either way it belongs to
 // the stream and must not be used after that Flush, Write or Close. Errors
-// are Write's; n must be in [1, Session.MaxSliceSize()].
+// are Write's, and one wrapping ErrBadLength when n is outside [1,
+// Session.MaxSliceSize()].
 func (st *Stream) Reserve(n int) ([]byte, error) {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
@@ -319,8 +321,10 @@ func (st *Stream) reserveLocked(n int) ([]byte, error) {
 	if err := st.writeCheck(); err != nil {
 		return nil, err
 	}
-	if n <= 0 {
-		return nil, errors.New("shmlink: Reserve of a non-positive length")
+	if n <= 0 || n > st.s.shm.maxSlice {
+		// Checked here too, not only by the region: bytes reserved on the
+		// heap (below) must obey the same bound.
+		return nil, fmt.Errorf("shmlink: Reserve of %d bytes, outside [1, %d]: %w", n, st.s.shm.maxSlice, ErrBadLength)
 	}
 	if !st.viaSocket && len(st.pending) == 0 {
 		// With nothing reserved yet, wait for the peer to free slices

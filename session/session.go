@@ -99,6 +99,7 @@ type sharedMem struct {
 	// slices and copying out would only slow the reader down.
 	pressureBytes int
 	maxLinks      int // slices in the region: the longest possible chain
+	maxSlice      int // data bytes of the region's largest slice: the most a Reserve gives
 }
 
 // streamTable holds a session's streams, guarded by Session.mu.
@@ -229,6 +230,7 @@ func (m *sharedMem) init(mem *memory, c *Config) {
 	m.mem = mem
 	slices, dataBytes := mem.region.Capacity()
 	m.maxLinks = slices
+	m.maxSlice = mem.region.MaxSliceSize()
 	m.pressureBytes = dataBytes / 4
 	m.heapTaken = make(chan struct{}, 1)
 	m.spaceWait = 4 * time.Microsecond

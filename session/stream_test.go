@@ -439,3 +439,44 @@ func TestWriteSparesLargestSlicesWhenShort(t *testing.T) {
 	}
 	require.Equal(t, []int{0, 0, 0}, region.InUse())
 }
+
+// Zero-copy calls given a length they cannot serve fail with ErrBadLength,
+// reserve or consume nothing, and leave the stream usable. A stream whose
+// bytes go over the socket (the region was full, Config.Fallback) reserves
+// on the heap: the bound holds there too.
+func TestZeroCopyBadLength(t *testing.T) {
+	ccfg := tinyConfig()
+	ccfg.Fallback = true
+	scfg := tinyConfig()
+	scfg.StreamMemoryLimit, scfg.StreamHeapLimit = -1, -1
+	client, server := pairWith(t, ccfg, scfg)
+	c, s := streamPair(t, client, server)
+	max := client.MaxSliceSize()
+	require.Positive(t, max)
+
+	data := randomBytes(128<<10, 3) // twice the region: the rest goes over the socket
+	_, err := c.Write(data)
+	require.NoError(t, err)
+	require.NotZero(t, client.Stats().FallbackWrites)
+	for _, n := range []int{0, -1, max + 1, 1 << 40} {
+		_, err := c.Reserve(n)
+		require.ErrorIs(t, err, ErrBadLength, "Reserve(%d)", n)
+	}
+	b, err := c.Reserve(max)
+	require.NoError(t, err)
+	copy(b, "tail")
+	require.NoError(t, c.Flush())
+	require.NoError(t, c.CloseWrite())
+
+	for _, n := range []int{0, -1} {
+		_, err := s.Peek(n)
+		require.ErrorIs(t, err, ErrBadLength, "Peek(%d)", n)
+		_, err = s.ReadChunk(n)
+		require.ErrorIs(t, err, ErrBadLength, "ReadChunk(%d)", n)
+	}
+	got, err := io.ReadAll(s)
+	require.NoError(t, err)
+	require.Len(t, got, len(data)+max)
+	require.True(t, bytes.Equal(data, got[:len(data)]), "the bytes differ")
+	require.Equal(t, "tail", string(got[len(data):len(data)+4]))
+}
