@@ -60,7 +60,8 @@ var (
 	// ErrProtocol is wrapped by the error a session ends with when the peer
 	// sent a control message that breaks the protocol: a bad header, a
 	// length that does not fit the type, a malformed payload, or a message
-	// the session does not accept in its state (docs/protocol.md section 2).
+	// the session does not accept in its state (docs/protocol.md sections
+	// 1.1 and 1.2).
 	// Handshake errors wrap it too when the peer's handshake message was
 	// malformed or of the wrong type.
 	ErrProtocol = wire.ErrProtocol

@@ -281,7 +281,10 @@ func (s *Session) RemoteAddr() net.Addr { return s.conn.RemoteAddr() }
 func (s *Session) Done() <-chan struct{} { return s.dead }
 
 // Err returns nil while the session runs, then why it ended:
-// ErrSessionClosed after Close, or a *SessionError.
+// ErrSessionClosed after Close, after CloseWhenIdle once the last stream
+// closed, and after the idle timeout (SetIdleTimeout); ErrHotRestarted on
+// a server whose client acknowledged the hot restart (SendHotRestart); or
+// a *SessionError when the peer or the connection failed.
 func (s *Session) Err() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
