@@ -301,7 +301,11 @@ func (l *Listener) closedError(op string, err error) error {
 // them, a client of another implementation reads io.EOF. Close returns
 // the error of closing the socket; later calls return an error satisfying
 // errors.Is(err, net.ErrClosed). Shutdown waits for the sessions to end;
-// CloseSessions ends them at once.
+// CloseSessions ends them at once. Handshakes in flight end at once, and
+// their connections are closed. With ListenConfig.UpgradeSocket, a Close
+// while a new process takes the listener over waits for that process's
+// answer, which decides who keeps the socket files, for up to 10 s
+// (docs/protocol.md section 14).
 func (l *Listener) Close() error {
 	if l.q != nil {
 		if err := l.q.close(); errors.Is(err, net.ErrClosed) {
