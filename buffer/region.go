@@ -35,8 +35,8 @@ type SizeClass struct {
 
 // DefaultSizeClasses returns the size classes of the existing peers'
 // default region (docs/protocol.md section 2.2): slices of 8 KiB, 32 KiB and
-// 128 KiB including their header, at 50, 30 and 20 percent. In a
-// defaultRegionSize region they make lists of 2047, 307 and 51 slices. The
+// 128 KiB including their header, at 50, 30 and 20 percent. In a region of
+// the default 32 MiB they make lists of 2047, 307 and 51 slices. The
 // returned slice is new on every call; the caller may modify it.
 func DefaultSizeClasses() []SizeClass {
 	return []SizeClass{

@@ -49,7 +49,7 @@ type Ring struct {
 // full speed: on amd64 (legacy layout) the 4-byte aligned counters must not
 // straddle a 64-byte cache line, so cap%16 must not be 2 or 8; elsewhere
 // (aligned layout) they must be 8-byte aligned, so cap must be even. The
-// default cap, defaultCap, is fine on both.
+// existing peers' cap, 8192 events, is fine on both.
 func FormatPair(mem []byte, cap uint32) (first, second *Ring, err error) {
 	if err := CheckFormat(cap); err != nil {
 		return nil, nil, err

@@ -82,12 +82,16 @@ var maxPollTime atomic.Int64
 func init() { maxPollTime.Store(int64(10 * time.Millisecond)) }
 
 // Config tunes a session. The zero value works: every zero field takes the
-// default named in its comment. A Config is copied when a session starts, so
-// changing it later has no effect on running sessions.
+// default named in its comment. Negative values are invalid (Validate, and
+// so Client and Server, return a *ConfigError naming the field) except
+// where a field's comment gives them a meaning: PollTime,
+// StreamMemoryLimit, StreamHeapLimit. A Config is copied when a session
+// starts, so changing it later has no effect on running sessions.
 type Config struct {
 	// BufferSize is the size in bytes of the buffer region a client creates
-	// (docs/protocol.md section 2). Default 32 MiB. Servers
-	// map whatever the client created. A memfd region takes memory for one
+	// (docs/protocol.md section 2): 64 KiB to 4 GiB - 1 (offsets are
+	// 32-bit), with room for at least 2 slices of every size class.
+	// Default 32 MiB. Servers map whatever the client created. A memfd region takes memory for one
 	// page per slice when it is formatted (about 9.4 MiB of the default
 	// 32 MiB) and for the rest as data first passes through it; a
 	// file-backed region takes all of it at the dial, which fails with an
@@ -101,7 +105,10 @@ type Config struct {
 	SizeClasses []buffer.SizeClass
 
 	// QueueCap is the number of events per direction of the IO queue a
-	// client creates (docs/protocol.md section 3). Default 8192.
+	// client creates (docs/protocol.md section 3): at most queue.MaxCap,
+	// and one for which the second direction's counters are aligned for
+	// this architecture's atomics (queue.CheckFormat says which). Default
+	// 8192.
 	QueueCap uint32
 
 	// MemoryType selects memfd or file-backed shared memory for a client.
