@@ -142,7 +142,9 @@ type idleState struct {
 // files in cfg.ShmDir. The session owns conn from then on, also when Client
 // fails: conn is closed then. It returns a *ConfigError if cfg is invalid,
 // and a *SessionError wrapping ErrHandshake if the handshake fails
-// (Config.HandshakeTimeout bounds it).
+// (Config.HandshakeTimeout bounds it), which also wraps ErrPeerRefused
+// (and a *PeerError) when the peer's credentials are refused
+// (Config.AllowUIDs, Config.PeerCheck).
 func Client(conn net.Conn, cfg *Config) (*Session, error) {
 	return start(context.Background(), conn, cfg, true)
 }
@@ -159,9 +161,7 @@ func ClientContext(ctx context.Context, conn net.Conn, cfg *Config) (*Session, e
 // and v3 handshakes (docs/protocol.md section 1.4), and returns a session
 // whose streams come from AcceptStream. A nil cfg means the defaults. The
 // session owns conn from then on, also when Server fails: conn is closed
-// then. It returns a *ConfigError if cfg is invalid, and a *SessionError
-// wrapping ErrHandshake if the handshake fails (Config.HandshakeTimeout
-// bounds it).
+// then. Its errors are Client's.
 func Server(conn net.Conn, cfg *Config) (*Session, error) {
 	return start(context.Background(), conn, cfg, false)
 }
