@@ -278,9 +278,10 @@ type quicStream struct {
 // Read reads what the peer wrote, as net.Conn's Read. At the end of what
 // the peer wrote (its CloseWrite or Close) it returns io.EOF. It returns
 // ErrStreamClosed after Close, an error satisfying errors.Is(err,
-// os.ErrDeadlineExceeded) at the read deadline, and one wrapping
-// ErrPeerClosed (errors.Is(err, syscall.ECONNRESET)) when the peer reset
-// the stream or the connection ended.
+// os.ErrDeadlineExceeded) at the read deadline, ErrSessionClosed when
+// this side closed the connection, and one wrapping ErrPeerClosed
+// (errors.Is(err, syscall.ECONNRESET)) when the peer reset the stream or
+// the connection ended otherwise; see quicErr.
 func (q *quicStream) Read(b []byte) (int, error) {
 	if q.closing.Load() {
 		return 0, ErrStreamClosed
@@ -288,7 +289,7 @@ func (q *quicStream) Read(b []byte) (int, error) {
 	n, err := q.s.Read(b)
 	q.qc.bytesRecv.Add(uint64(n))
 	if err != nil && err != io.EOF {
-		err = q.mapErr(err)
+		err = q.mapErr("read", err)
 	}
 	return n, err
 }
@@ -296,9 +297,9 @@ func (q *quicStream) Read(b []byte) (int, error) {
 // Write writes b to the stream, as net.Conn's Write, waiting while the
 // peer's flow-control window is full. It returns ErrStreamClosed after
 // Close, ErrWriteClosed after CloseWrite, an error satisfying
-// errors.Is(err, os.ErrDeadlineExceeded) at the write deadline, and one
-// wrapping ErrPeerClosed when the peer stopped reading (closed the stream)
-// or the connection ended.
+// errors.Is(err, os.ErrDeadlineExceeded) at the write deadline, the
+// errors of Read for a connection's end, and one wrapping ErrPeerClosed
+// when the peer stopped reading (closed the stream).
 func (q *quicStream) Write(b []byte) (int, error) {
 	q.wmu.Lock()
 	defer q.wmu.Unlock()
@@ -311,15 +312,16 @@ func (q *quicStream) Write(b []byte) (int, error) {
 	n, err := q.s.Write(b)
 	q.qc.bytesSent.Add(uint64(n))
 	if err != nil {
-		err = q.mapErr(err)
+		err = q.mapErr("write", err)
 	}
 	return n, err
 }
 
 // CloseWrite half-closes the stream: the peer reads io.EOF after every
 // byte written, while this side goes on reading. Later writes fail with
-// ErrWriteClosed. It returns nil when called again, and ErrStreamClosed
-// after Close.
+// ErrWriteClosed. It returns nil when called again, ErrStreamClosed after
+// Close, and an error wrapping ErrPeerClosed when the peer had stopped
+// reading.
 func (q *quicStream) CloseWrite() error {
 	q.wmu.Lock()
 	defer q.wmu.Unlock()
@@ -330,7 +332,10 @@ func (q *quicStream) CloseWrite() error {
 		return nil
 	}
 	q.wclosed = true
-	return q.s.Close()
+	if err := q.s.Close(); err != nil {
+		return q.mapErr("close", err)
+	}
+	return nil
 }
 
 // CloseRead stops reading: what the peer writes from now on is refused
@@ -399,25 +404,82 @@ func (q *quicStream) SetWriteDeadline(t time.Time) error {
 	return q.s.SetWriteDeadline(t)
 }
 
-// mapErr turns quic-go's error of a Read or Write into the net.Conn
-// vocabulary of shmlink's streams.
-func (q *quicStream) mapErr(err error) error {
+// mapErr turns quic-go's error of a stream call (op: "read", "write",
+// "close") into the net.Conn vocabulary of shmlink's streams: see quicErr.
+func (q *quicStream) mapErr(op string, err error) error {
 	if q.closing.Load() {
 		return ErrStreamClosed
 	}
-	var se *quic.StreamError
-	if errors.As(err, &se) && !se.Remote {
-		// Our own CancelRead (CloseRead): reads end like a closed socket's.
-		return fmt.Errorf("shmlink: stream closed for reading: %w", net.ErrClosed)
-	}
-	if errors.Is(err, os.ErrDeadlineExceeded) {
+	return quicErr(op, err)
+}
+
+// errReadClosed is a stream's Read error after its own CloseRead, as a
+// closed socket's.
+var errReadClosed = fmt.Errorf("shmlink: stream closed for reading: %w", net.ErrClosed)
+
+// quicErr turns an error of quic-go, from a stream or its connection, into
+// shmlink's vocabulary (docs/protocol.md section 17, Errors); op names the
+// call ("read", "write", "open"). quic-go's errors of a connection's end
+// unwrap to net.ErrClosed whichever side ended it, which shmlink keeps for
+// a local close: quicErr keeps their text, not their chain. It returns
+// deadline and context errors as they are; errReadClosed after CloseRead;
+// ErrSessionClosed when this side closed the connection; and otherwise a
+// *SessionError when the connection ended, or a *quicError for a stream
+// the peer reset, unwrapping to ErrPeerClosed (syscall.ECONNRESET), or to
+// ErrHandshake for a failed TLS handshake.
+func quicErr(op string, err error) error {
+	var (
+		se *quic.StreamError
+		ae *quic.ApplicationError
+		te *quic.TransportError
+	)
+	switch {
+	case errors.Is(err, os.ErrDeadlineExceeded), errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return err
+	case errors.As(err, &se):
+		if !se.Remote {
+			return errReadClosed // our own CancelRead: CloseRead
+		}
+		return &quicError{sentinel: ErrPeerClosed, cause: err}
+	case errors.As(err, &ae) && !ae.Remote, errors.Is(err, quic.ErrTransportClosed):
+		return ErrSessionClosed
+	case !errors.Is(err, net.ErrClosed):
+		// Not an end of the connection: closing a send side the peer
+		// stopped reading.
+		return &quicError{sentinel: ErrPeerClosed, cause: err}
 	}
-	var ae *quic.ApplicationError
-	if errors.As(err, &ae) && !ae.Remote {
-		return fmt.Errorf("%w: %w", ErrSessionClosed, err)
+	sentinel := ErrPeerClosed // the peer's close, its idle timeout, a stateless reset
+	if errors.As(err, &te) && te.ErrorCode.IsCryptoError() {
+		sentinel = ErrHandshake
 	}
-	return fmt.Errorf("%w: %w", ErrPeerClosed, err)
+	return &SessionError{Op: op, Err: &quicError{sentinel: sentinel, cause: err}}
+}
+
+// quicError is an error of quic-go as shmlink returns it: the text of
+// both, and the chain of the shmlink sentinel only (and of the TLS error
+// of a failed handshake), not of quic-go's error, which unwraps to
+// net.ErrClosed whichever side ended the connection.
+type quicError struct {
+	sentinel error // ErrPeerClosed or ErrHandshake
+	cause    error // quic-go's error
+}
+
+// Error returns the sentinel's text and the cause's.
+func (e *quicError) Error() string { return e.sentinel.Error() + ": " + e.cause.Error() }
+
+// Unwrap returns the sentinel and, when the cause is a local TLS failure,
+// the TLS error (a *tls.CertificateVerificationError, say).
+func (e *quicError) Unwrap() []error {
+	errs := []error{e.sentinel}
+	var te *quic.TransportError
+	if errors.As(e.cause, &te) {
+		for _, c := range te.Unwrap() {
+			if c != nil && !errors.Is(c, net.ErrClosed) {
+				errs = append(errs, c)
+			}
+		}
+	}
+	return errs
 }
 
 // acceptQUICStream reads and checks the preamble of a stream the peer
@@ -464,7 +526,7 @@ func openQUICStream(ctx context.Context, qc *quicConn) (*quicStream, error) {
 	}
 	if err != nil {
 		qc.closed()
-		return nil, err
+		return nil, quicErr("open", err)
 	}
 	return &quicStream{s: s, qc: qc}, nil
 }

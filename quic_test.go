@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
 	"sync"
 	"syscall"
 	"testing"
@@ -342,4 +343,41 @@ func TestQUICDialerIdleTimeout(t *testing.T) {
 		10*time.Second, time.Millisecond, "the idle connection stays")
 	echo(2)
 	require.Equal(t, 1, d.NumSessions())
+}
+
+// A peer's end of the connection (here the server's CloseSessions) reads
+// as ErrPeerClosed (ECONNRESET), as over shared memory, and not as a local
+// close: net.ErrClosed stays for this side's own Close. Guards the error
+// mapping of quic-go's connection errors, which all unwrap to
+// net.ErrClosed (docs/protocol.md section 17, Errors).
+func TestQUICPeerEndIsNotLocalClose(t *testing.T) {
+	run := func(t *testing.T, ln *shmlink.Listener, d *shmlink.Dialer, network string) {
+		c, err := d.Dial(network, ln.Addr().String())
+		require.NoError(t, err)
+		defer c.Close()
+		s, err := ln.Accept()
+		require.NoError(t, err)
+		defer s.Close()
+		require.Equal(t, 1, ln.CloseSessions())
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+		require.ErrorIs(t, err, shmlink.ErrPeerClosed)
+		require.ErrorIs(t, err, syscall.ECONNRESET)
+		require.NotErrorIs(t, err, net.ErrClosed, "the peer's close reads as a local one")
+		var se *shmlink.SessionError
+		require.ErrorAs(t, err, &se, "the session's end, as over shared memory")
+		_, err = s.Read(make([]byte, 1))
+		require.ErrorIs(t, err, net.ErrClosed, "the server's own end is a local close")
+	}
+	t.Run("unix", func(t *testing.T) {
+		ln, err := (&shmlink.ListenConfig{}).Listen(t.Context(), "unix", filepath.Join(t.TempDir(), "s.sock"))
+		require.NoError(t, err)
+		d := &shmlink.Dialer{}
+		defer d.Close()
+		run(t, ln, d, "unix")
+	})
+	t.Run("quic", func(t *testing.T) {
+		ln, d := quicPair(t)
+		run(t, ln, d, "quic")
+	})
 }
