@@ -278,8 +278,9 @@ type quicStream struct {
 // Read reads what the peer wrote, as net.Conn's Read. At the end of what
 // the peer wrote (its CloseWrite or Close) it returns io.EOF. It returns
 // ErrStreamClosed after Close, an error satisfying errors.Is(err,
-// os.ErrDeadlineExceeded) at the read deadline, ErrSessionClosed when
-// this side closed the connection, and one wrapping ErrPeerClosed
+// os.ErrDeadlineExceeded) at the read deadline, ErrStreamRefused when the
+// server refused the stream (its listener is closed), ErrSessionClosed
+// when this side closed the connection, and one wrapping ErrPeerClosed
 // (errors.Is(err, syscall.ECONNRESET)) when the peer reset the stream or
 // the connection ended otherwise; see quicErr.
 func (q *quicStream) Read(b []byte) (int, error) {
@@ -298,8 +299,9 @@ func (q *quicStream) Read(b []byte) (int, error) {
 // peer's flow-control window is full. It returns ErrStreamClosed after
 // Close, ErrWriteClosed after CloseWrite, an error satisfying
 // errors.Is(err, os.ErrDeadlineExceeded) at the write deadline, the
-// errors of Read for a connection's end, and one wrapping ErrPeerClosed
-// when the peer stopped reading (closed the stream).
+// errors of Read for a refused stream or a connection's end, and one
+// wrapping ErrPeerClosed when the peer stopped reading (closed the
+// stream).
 func (q *quicStream) Write(b []byte) (int, error) {
 	q.wmu.Lock()
 	defer q.wmu.Unlock()
@@ -371,6 +373,19 @@ func (q *quicStream) Close() error {
 	return err
 }
 
+// refuse resets, both ways with quicCodeRefused, a stream that Accept
+// never returned because the listener closed: its client reads
+// ErrStreamRefused, as over shared memory (Stream.Refuse).
+func (q *quicStream) refuse() {
+	q.closeOnce.Do(func() {
+		q.closing.Store(true)
+		q.qc.refused.Add(1)
+		q.s.CancelRead(quicCodeRefused)
+		q.s.CancelWrite(quicCodeRefused)
+		q.qc.closed()
+	})
+}
+
 // LocalAddr returns the local UDP address of the stream's connection.
 func (q *quicStream) LocalAddr() net.Addr { return q.qc.conn.LocalAddr() }
 
@@ -423,9 +438,11 @@ var errReadClosed = fmt.Errorf("shmlink: stream closed for reading: %w", net.Err
 // unwrap to net.ErrClosed whichever side ended it, which shmlink keeps for
 // a local close: quicErr keeps their text, not their chain. It returns
 // deadline and context errors as they are; errReadClosed after CloseRead;
+// ErrStreamRefused for a stream the server refused (quicCodeRefused);
 // ErrSessionClosed when this side closed the connection; and otherwise a
 // *SessionError when the connection ended, or a *quicError for a stream
-// the peer reset, unwrapping to ErrPeerClosed (syscall.ECONNRESET), or to
+// the peer reset, unwrapping to ErrPeerClosed (syscall.ECONNRESET), to
+// ErrStreamRefused for a connection that a closed listener refused, or to
 // ErrHandshake for a failed TLS handshake.
 func quicErr(op string, err error) error {
 	var (
@@ -437,8 +454,11 @@ func quicErr(op string, err error) error {
 	case errors.Is(err, os.ErrDeadlineExceeded), errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return err
 	case errors.As(err, &se):
-		if !se.Remote {
+		switch {
+		case !se.Remote:
 			return errReadClosed // our own CancelRead: CloseRead
+		case se.ErrorCode == quicCodeRefused:
+			return ErrStreamRefused // as a shared-memory session's refusal
 		}
 		return &quicError{sentinel: ErrPeerClosed, cause: err}
 	case errors.As(err, &ae) && !ae.Remote, errors.Is(err, quic.ErrTransportClosed):
@@ -449,7 +469,10 @@ func quicErr(op string, err error) error {
 		return &quicError{sentinel: ErrPeerClosed, cause: err}
 	}
 	sentinel := ErrPeerClosed // the peer's close, its idle timeout, a stateless reset
-	if errors.As(err, &te) && te.ErrorCode.IsCryptoError() {
+	switch {
+	case ae != nil && ae.ErrorCode == quicCodeRefused:
+		sentinel = ErrStreamRefused // a connection that a closed listener refused
+	case errors.As(err, &te) && te.ErrorCode.IsCryptoError():
 		sentinel = ErrHandshake
 	}
 	return &SessionError{Op: op, Err: &quicError{sentinel: sentinel, cause: err}}
@@ -460,7 +483,7 @@ func quicErr(op string, err error) error {
 // of a failed handshake), not of quic-go's error, which unwraps to
 // net.ErrClosed whichever side ended the connection.
 type quicError struct {
-	sentinel error // ErrPeerClosed or ErrHandshake
+	sentinel error // ErrPeerClosed, ErrStreamRefused or ErrHandshake
 	cause    error // quic-go's error
 }
 

@@ -198,8 +198,7 @@ func (q *quicListener) serve(qc *quicConn) {
 			select {
 			case q.accepts <- st:
 			case <-q.ctx.Done():
-				qc.refused.Add(1)
-				st.Close()
+				st.refuse()
 			case <-ctx.Done():
 				st.Close()
 			}

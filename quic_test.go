@@ -381,3 +381,35 @@ func TestQUICPeerEndIsNotLocalClose(t *testing.T) {
 		run(t, ln, d, "quic")
 	})
 }
+
+// Streams refused because the listener closed read ErrStreamRefused
+// (ECONNREFUSED), as Listener.Close promises and as over shared memory:
+// one that reached the server but that Accept never returned, and one
+// opened after Close on a connection that a live stream keeps. Guards
+// the mapping of quicCodeRefused (docs/protocol.md section 17).
+func TestQUICRefusedAfterListenerClose(t *testing.T) {
+	ln, d := quicPair(t)
+	c1, err := d.Dial("quic", ln.Addr().String())
+	require.NoError(t, err)
+	defer c1.Close()
+	s1, err := ln.Accept()
+	require.NoError(t, err)
+	defer s1.Close() // keeps the QUIC connection
+
+	// Reaches the server, which reads its preamble, but is never accepted.
+	pending, err := d.Dial("quic", ln.Addr().String())
+	require.NoError(t, err)
+	defer pending.Close()
+	require.NoError(t, ln.Close())
+	late, err := d.Dial("quic", ln.Addr().String())
+	require.NoError(t, err)
+	defer late.Close()
+
+	for _, c := range []net.Conn{pending, late} {
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+		require.ErrorIs(t, err, shmlink.ErrStreamRefused)
+		require.ErrorIs(t, err, syscall.ECONNREFUSED)
+	}
+	require.EqualValues(t, 2, ln.Stats().StreamsRefused)
+}
