@@ -93,15 +93,20 @@ func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, err
 		ua, err := net.ResolveUDPAddr("udp", address)
 		if err == nil {
 			conn, err = q.tr.Dial(ctx, ua, tlsConf, quicConfig(d.QUICConfig))
+			if err != nil && ctx.Err() == nil {
+				err = quicHandshakeErr(err)
+			}
 		}
 		var qc *quicConn
 		d.mu.Lock()
 		delete(q.dials, address)
 		switch {
-		case err != nil:
 		case d.closed:
-			err = errDialerClosed
-			conn.CloseWithError(quicCodeClosed, "dialer closed")
+			if conn != nil {
+				conn.CloseWithError(quicCodeClosed, "dialer closed")
+			}
+			err = errDialerClosed // the Close that failed the dial, if it did
+		case err != nil:
 		default:
 			qc = &quicConn{conn: conn, idleTimeout: cmp.Or(d.IdleTimeout, defaultIdleTimeout)}
 			q.conns[address] = qc
@@ -117,6 +122,15 @@ func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, err
 		qc.armIdle()
 		return qc, nil
 	}
+}
+
+// quicHandshakeErr is the error of a QUIC dial that failed for another
+// reason than its context: a *SessionError wrapping ErrHandshake, as a
+// failed handshake over shared memory, with quic-go's text and the TLS
+// error, if any, but not quic-go's chain, which unwraps to net.ErrClosed
+// (see quicErr).
+func quicHandshakeErr(err error) error {
+	return &SessionError{Op: "handshake", Err: &quicError{sentinel: ErrHandshake, cause: err}}
 }
 
 // logger returns the Config's Logger, or one that discards.

@@ -150,7 +150,7 @@ func TestQUICStreamErrors(t *testing.T) {
 }
 
 // A server that asks for client certificates (mutual TLS) refuses a
-// Dialer without one and serves one with.
+// Dialer without one, which reads ErrHandshake, and serves one with.
 func TestQUICMutualTLS(t *testing.T) {
 	_, stls, ctls := quicTLS(t, true)
 	ln, err := (&shmlink.ListenConfig{TLSConfig: stls}).Listen(t.Context(), "quic", "127.0.0.1:0")
@@ -173,6 +173,7 @@ func TestQUICMutualTLS(t *testing.T) {
 		c.Close()
 	}
 	require.Error(t, err, "a client without a certificate was served")
+	require.ErrorIs(t, err, shmlink.ErrHandshake, "the server's TLS alert: %v", err)
 
 	d2 := &shmlink.Dialer{TLSConfig: ctls}
 	defer d2.Close()
@@ -412,4 +413,27 @@ func TestQUICRefusedAfterListenerClose(t *testing.T) {
 		require.ErrorIs(t, err, syscall.ECONNREFUSED)
 	}
 	require.EqualValues(t, 2, ln.Stats().StreamsRefused)
+}
+
+// A QUIC dial whose TLS handshake fails (here: the server's certificate
+// is signed by an unknown authority) wraps ErrHandshake, as every
+// handshake failure does, and keeps the TLS error, but is not a local
+// close; a dial that its context ends returns the context's error.
+func TestQUICHandshakeErrorWrapped(t *testing.T) {
+	ln, _ := quicPair(t)
+	d := &shmlink.Dialer{TLSConfig: &tls.Config{}} // system roots: the test CA is unknown
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	_, err := d.DialContext(ctx, "quic", ln.Addr().String())
+	require.ErrorIs(t, err, shmlink.ErrHandshake)
+	require.NotErrorIs(t, err, net.ErrClosed)
+	var ce *tls.CertificateVerificationError
+	require.ErrorAs(t, err, &ce)
+
+	ctx, cancel = context.WithCancel(t.Context())
+	cancel()
+	_, err = d.DialContext(ctx, "quic", ln.Addr().String())
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotErrorIs(t, err, shmlink.ErrHandshake)
 }
