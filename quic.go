@@ -264,7 +264,9 @@ func (qc *quicConn) closeWhenIdle() {
 // quicStream is a QUIC stream as a net.Conn (docs/protocol.md section 17).
 // quic-go forbids a stream's Close concurrently with its Write, which a
 // net.Conn allows: wmu serializes them, and Close first ends a blocked
-// Write through its deadline.
+// Write through its deadline (closeDeadline), which a concurrent
+// SetDeadline or SetWriteDeadline then sets again rather than undo
+// (setDeadlines).
 type quicStream struct {
 	s  *quic.Stream
 	qc *quicConn
@@ -273,7 +275,21 @@ type quicStream struct {
 	wclosed   bool // CloseWrite or Close sent the FIN; guarded by wmu
 	closing   atomic.Bool
 	closeOnce sync.Once
+
+	// hooks, nil outside tests, run where tests interleave a deadline
+	// setter with Close (export_quic_test.go).
+	hooks *quicStreamHooks
 }
+
+// quicStreamHooks are the points of a quicStream that tests hold.
+type quicStreamHooks struct {
+	setDeadline func() // in setDeadlines, after its check of closing
+	closed      func() // in Close, after it set closeDeadline
+}
+
+// closeDeadline is the write deadline, long past, with which Close ends a
+// Write blocked on flow control.
+var closeDeadline = time.Unix(1, 0)
 
 // Read reads what the peer wrote, as net.Conn's Read. At the end of what
 // the peer wrote (its CloseWrite or Close) it returns io.EOF. It returns
@@ -359,9 +375,12 @@ func (q *quicStream) Close() error {
 	err := ErrStreamClosed
 	q.closeOnce.Do(func() {
 		err = nil
-		q.closing.Store(true)
+		q.closing.Store(true) // before closeDeadline: see setDeadlines
 		q.s.CancelRead(quicCodeClosed)
-		q.s.SetWriteDeadline(time.Unix(1, 0)) // ends a Write blocked on flow control
+		q.s.SetWriteDeadline(closeDeadline) // ends a Write blocked on flow control
+		if q.hooks != nil {
+			q.hooks.closed()
+		}
 		q.wmu.Lock()
 		if !q.wclosed {
 			q.wclosed = true
@@ -394,29 +413,40 @@ func (q *quicStream) RemoteAddr() net.Addr { return q.qc.conn.RemoteAddr() }
 
 // SetDeadline sets the read and write deadlines, as net.Conn's; it returns
 // ErrStreamClosed after Close.
-func (q *quicStream) SetDeadline(t time.Time) error {
-	if q.closing.Load() {
-		return ErrStreamClosed
-	}
-	return q.s.SetDeadline(t)
-}
+func (q *quicStream) SetDeadline(t time.Time) error { return q.setDeadlines(t, true, true) }
 
 // SetReadDeadline sets the read deadline, as net.Conn's; it returns
 // ErrStreamClosed after Close.
-func (q *quicStream) SetReadDeadline(t time.Time) error {
-	if q.closing.Load() {
-		return ErrStreamClosed
-	}
-	return q.s.SetReadDeadline(t)
-}
+func (q *quicStream) SetReadDeadline(t time.Time) error { return q.setDeadlines(t, true, false) }
 
 // SetWriteDeadline sets the write deadline, as net.Conn's; it returns
 // ErrStreamClosed after Close.
-func (q *quicStream) SetWriteDeadline(t time.Time) error {
+func (q *quicStream) SetWriteDeadline(t time.Time) error { return q.setDeadlines(t, false, true) }
+
+// setDeadlines sets the read deadline, the write deadline or both to t,
+// unless Close began. A Close concurrent with it may have set
+// closeDeadline before this sets t: then this sees closing once it has
+// set t (Close sets closing first, and quic-go orders the two deadline
+// writes), and sets closeDeadline again, or a Write blocked on flow
+// control would stay blocked, and Close behind it.
+func (q *quicStream) setDeadlines(t time.Time, read, write bool) error {
 	if q.closing.Load() {
 		return ErrStreamClosed
 	}
-	return q.s.SetWriteDeadline(t)
+	if q.hooks != nil {
+		q.hooks.setDeadline()
+	}
+	if read {
+		q.s.SetReadDeadline(t)
+	}
+	if write {
+		q.s.SetWriteDeadline(t)
+		if q.closing.Load() {
+			q.s.SetWriteDeadline(closeDeadline)
+			return ErrStreamClosed
+		}
+	}
+	return nil
 }
 
 // mapErr turns quic-go's error of a stream call (op: "read", "write",

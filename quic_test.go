@@ -437,3 +437,53 @@ func TestQUICHandshakeErrorWrapped(t *testing.T) {
 	require.ErrorIs(t, err, context.Canceled)
 	require.NotErrorIs(t, err, shmlink.ErrHandshake)
 }
+
+// Close ends a Write blocked on flow control even when a SetWriteDeadline
+// that began before Close sets its deadline after Close set the past one
+// that ends the Write: the setter sets the past deadline again. Without
+// that, the Write would stay blocked, and Close behind it. The hooks hold
+// the setter and Close at the interleaving.
+func TestQUICCloseRacesSetWriteDeadline(t *testing.T) {
+	_, stls, ctls := quicTLS(t, false)
+	window := &quic.Config{InitialStreamReceiveWindow: 64 << 10, MaxStreamReceiveWindow: 64 << 10}
+	ln, err := (&shmlink.ListenConfig{TLSConfig: stls, QUICConfig: window}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer d.Close()
+
+	for range 10 {
+		c, err := d.Dial("quic", ln.Addr().String())
+		require.NoError(t, err)
+		s, err := ln.Accept()
+		require.NoError(t, err)
+		checked, closeSet, setDone := make(chan struct{}), make(chan struct{}), make(chan struct{})
+		shmlink.SetQUICDeadlineHooks(c,
+			func() { close(checked); <-closeSet },
+			func() { close(closeSet); <-setDone })
+
+		wrote := make(chan error, 1)
+		go func() {
+			_, err := c.Write(make([]byte, 1<<20)) // past the server's window: blocks
+			wrote <- err
+		}()
+		// The server reads nothing past the first bytes: the Write is under way.
+		_, err = io.ReadFull(s, make([]byte, 1))
+		require.NoError(t, err)
+		go func() {
+			c.SetWriteDeadline(time.Time{})
+			close(setDone)
+		}()
+		<-checked
+		closed := make(chan error, 1)
+		go func() { closed <- c.Close() }()
+		select {
+		case err = <-closed:
+		case <-time.After(10 * time.Second):
+			t.Fatal("Close still waits for a blocked Write after 10 s")
+		}
+		require.NoError(t, err)
+		require.ErrorIs(t, <-wrote, net.ErrClosed)
+		s.Close()
+	}
+}
