@@ -9,3 +9,15 @@ import "net"
 func SetQUICDeadlineHooks(c net.Conn, onSet, onClose func()) {
 	c.(*quicStream).hooks = &quicStreamHooks{setDeadline: onSet, closed: onClose}
 }
+
+// QUICIdleExpiring puts d's QUIC connection to address in the state that
+// its idle timeout leaves it in before the connection is closed: it takes
+// no new stream, and has not ended yet.
+func QUICIdleExpiring(d *Dialer, address string) {
+	d.mu.Lock()
+	qc := d.quic.conns[address]
+	d.mu.Unlock()
+	qc.mu.Lock()
+	qc.closeIdle = true
+	qc.mu.Unlock()
+}

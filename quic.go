@@ -203,6 +203,14 @@ func (qc *quicConn) tryOpen() bool {
 	return true
 }
 
+// takesStreams reports whether the connection takes new streams: false
+// once it is to end with its last stream (closeWhenIdle, idleExpired).
+func (qc *quicConn) takesStreams() bool {
+	qc.mu.Lock()
+	defer qc.mu.Unlock()
+	return !qc.closeIdle
+}
+
 // closed counts the end of a stream: the connection closes with its last
 // stream once closeWhenIdle was called, or after idleTimeout if set.
 func (qc *quicConn) closed() {
@@ -236,7 +244,8 @@ func (qc *quicConn) armIdleLocked() {
 }
 
 // idleExpired closes the connection if it still has no stream; a dial
-// that picked it meanwhile finds it closing (tryOpen) and dials anew.
+// that picked it meanwhile finds it closing (tryOpen) and picks again,
+// which dials anew (Dialer.quicConnTo skips it).
 func (qc *quicConn) idleExpired() {
 	qc.mu.Lock()
 	idle := qc.streams == 0

@@ -33,7 +33,7 @@ func (d *Dialer) dialQUIC(ctx context.Context, address string) (net.Conn, error)
 		return nil, err
 	}
 	var err error
-	for range 3 {
+	for ended, draining := 0, 0; ended < 3 && draining < maxDrainingPicks; {
 		var qc *quicConn
 		if qc, err = d.quicConnTo(ctx, address); err != nil {
 			return nil, err
@@ -42,17 +42,32 @@ func (d *Dialer) dialQUIC(ctx context.Context, address string) (net.Conn, error)
 		if st, err = openQUICStream(ctx, qc); err == nil {
 			return st, nil
 		}
-		if ctx.Err() != nil || (qc.conn.Context().Err() == nil && !errors.Is(err, errQUICDraining)) {
+		switch {
+		case ctx.Err() != nil:
+			return nil, err
+		case errors.Is(err, errQUICDraining):
+			// The connection takes no new stream since it was picked (its
+			// idle timeout, a hot restart): pick again, which dials anew.
+			draining++
+		case qc.conn.Context().Err() != nil:
+			// The connection ended since it was picked: pick again.
+			ended++
+		default:
 			return nil, err
 		}
-		// The connection ended, or its server moved, since it was picked:
-		// pick again.
+	}
+	if errors.Is(err, errQUICDraining) {
+		// Every connection dialed was draining before its first stream:
+		// the server takes no new stream.
+		err = ErrStreamRefused
 	}
 	return nil, err
 }
 
-// quicConnTo returns the live connection to address, dialing it if needed;
-// concurrent dials to one address share one handshake.
+// quicConnTo returns the live connection to address that takes new
+// streams, dialing one if there is none; concurrent dials to one address
+// share one handshake. A connection that takes no new stream stays in
+// q.live until it ends, and its successor replaces it in q.conns.
 func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, error) {
 	tlsConf, err := quicTLS(d.TLSConfig, false)
 	if err != nil {
@@ -74,7 +89,7 @@ func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, err
 			d.mu.Unlock()
 			return nil, err
 		}
-		if qc := q.conns[address]; qc != nil && qc.conn.Context().Err() == nil {
+		if qc := q.conns[address]; qc != nil && qc.conn.Context().Err() == nil && qc.takesStreams() {
 			d.mu.Unlock()
 			return qc, nil
 		}

@@ -487,3 +487,23 @@ func TestQUICCloseRacesSetWriteDeadline(t *testing.T) {
 		s.Close()
 	}
 }
+
+// A dial that picks the Dialer's connection while its idle timeout is
+// closing it (it takes no new stream but has not ended yet) dials a new
+// connection, rather than failing with the internal error of a draining
+// connection.
+func TestQUICIdleDialRace(t *testing.T) {
+	ln, d := quicPair(t)
+	go serveStreams(ln)
+	c, err := d.Dial("quic", ln.Addr().String())
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
+	shmlink.QUICIdleExpiring(d, ln.Addr().String())
+	c, err = d.Dial("quic", ln.Addr().String())
+	require.NoError(t, err, "a dial during the idle close dials anew")
+	defer c.Close()
+	_, err = c.Write(peertest.Command(peertest.CmdEcho, 0))
+	require.NoError(t, err)
+	require.NoError(t, peertest.Echo(c, 100, 1))
+	require.Equal(t, 2, d.NumSessions(), "the draining connection and the new one")
+}
