@@ -27,10 +27,16 @@ type quicListener struct {
 	accepts chan *quicStream
 	ctx     context.Context // done once the listener stops accepting
 	stop    context.CancelFunc
-	wg      sync.WaitGroup // acceptLoop and one serve per connection
+	// wg counts acceptLoop and one serve per connection. On a closed
+	// listener the last of them closes the socket before it is done, so
+	// that wg.Wait returning means the port is free (exit).
+	wg       sync.WaitGroup
+	sockOnce sync.Once
+	sockErr  error // of closing the socket; set in sockOnce
 
 	mu       sync.Mutex
 	conns    map[*quicConn]struct{}
+	running  int   // the goroutines wg counts
 	ended    Stats // the counters of the connections that ended
 	closed   bool
 	err      error  // why Accept fails, if not Close
@@ -120,6 +126,7 @@ func startQUICListener(tr *quic.Transport, udp *net.UDPConn, rc *routedConn, up 
 		conns:   make(map[*quicConn]struct{}),
 	}
 	q.ctx, q.stop = context.WithCancel(context.Background())
+	q.running = 1
 	q.wg.Add(1)
 	go q.acceptLoop()
 	return &Listener{q: q, up: up}, nil
@@ -127,7 +134,7 @@ func startQUICListener(tr *quic.Transport, udp *net.UDPConn, rc *routedConn, up 
 
 // acceptLoop accepts connections until the listener closes.
 func (q *quicListener) acceptLoop() {
-	defer q.wg.Done()
+	defer q.exit()
 	for {
 		conn, err := q.ln.Accept(q.ctx)
 		if err != nil {
@@ -147,12 +154,13 @@ func (q *quicListener) acceptLoop() {
 			continue
 		}
 		q.conns[qc] = struct{}{}
+		q.running++
+		q.wg.Add(1)
 		epoch := q.handedTo
 		q.mu.Unlock()
 		if epoch != 0 {
 			sendHotRestart(qc, epoch) // handed over meanwhile: its client must move too
 		}
-		q.wg.Add(1)
 		go q.serve(qc)
 	}
 }
@@ -161,7 +169,7 @@ func (q *quicListener) acceptLoop() {
 // the listener is closed it refuses new ones, and the connection ends with
 // its last stream.
 func (q *quicListener) serve(qc *quicConn) {
-	defer q.wg.Done()
+	defer q.exit()
 	defer func() {
 		q.mu.Lock()
 		delete(q.conns, qc)
@@ -228,14 +236,39 @@ func (q *quicListener) accept(l *Listener) (net.Conn, error) {
 	return nil, l.closedError("accept", net.ErrClosed)
 }
 
+// exit ends one of the goroutines that wg counts; the last one of a
+// closed listener closes the socket first.
+func (q *quicListener) exit() {
+	q.mu.Lock()
+	q.running--
+	last := q.running == 0 && q.closed
+	q.mu.Unlock()
+	if last {
+		q.closeSocket()
+	}
+	q.wg.Done()
+}
+
+// closeSocket closes the Transport and the UDP socket (and the
+// forwarding sockets of an upgrade), once, and keeps the error.
+func (q *quicListener) closeSocket() {
+	q.sockOnce.Do(func() {
+		q.tr.Close() // which leaves the sockets it did not open to us
+		q.sockErr = closeSockets(q.udp, q.rc)
+	})
+}
+
 // close stops accepting connections and streams; each connection ends
-// with its last stream. The UDP socket stays open until every connection
-// has ended (wait).
+// with its last stream. The UDP socket stays open while a connection
+// lives: with none, close returns once it closed the socket, and returns
+// that error; otherwise the last connection to end closes it (exit).
+// It returns net.ErrClosed when called again.
 func (q *quicListener) close() error {
 	q.mu.Lock()
 	already := q.closed
 	q.closed = true
 	conns := q.liveLocked()
+	idle := q.running == 0 // acceptLoop failed, and no connection is left
 	q.mu.Unlock()
 	if already {
 		return net.ErrClosed
@@ -245,31 +278,34 @@ func (q *quicListener) close() error {
 		q.up.Stop()
 	}
 	err := q.ln.Close()
+	if errors.Is(err, quic.ErrServerClosed) {
+		err = nil
+	}
 	for _, qc := range conns {
 		qc.closeWhenIdle()
 	}
 	if q.up != nil {
 		q.up.Close() // removes the upgrade socket's file if this generation still owns it
 	}
-	go func() {
+	if idle {
+		q.closeSocket()
+	}
+	if len(conns) == 0 {
+		// acceptLoop returns at once, as do the serve goroutines of the
+		// connections that ended; the last of them closes the socket.
 		q.wg.Wait()
-		q.tr.Close() // which leaves the sockets it did not open to us
-		closeSockets(q.udp, q.rc)
-	}()
-	if errors.Is(err, quic.ErrServerClosed) {
-		err = nil
+		err = errors.Join(err, q.sockErr)
 	}
 	return err
 }
 
 // closeSockets closes a QUIC listener's sockets: udp, or all that rc
 // reads and writes (the forwarding sockets of an upgrade too) if not nil.
-func closeSockets(udp *net.UDPConn, rc *routedConn) {
+func closeSockets(udp *net.UDPConn, rc *routedConn) error {
 	if rc != nil {
-		rc.Close()
-		return
+		return rc.Close()
 	}
-	udp.Close()
+	return udp.Close()
 }
 
 // liveLocked returns the live connections; the caller holds q.mu.
@@ -281,7 +317,9 @@ func (q *quicListener) liveLocked() []*quicConn {
 	return conns
 }
 
-// closeConns ends every connection at once and returns how many.
+// closeConns ends every connection at once and returns how many. On a
+// closed listener, the last serve goroutine then closes the socket, which
+// CloseSessions waits for (wg).
 func (q *quicListener) closeConns() int {
 	q.mu.Lock()
 	conns := q.liveLocked()

@@ -507,3 +507,35 @@ func TestQUICIdleDialRace(t *testing.T) {
 	require.NoError(t, peertest.Echo(c, 100, 1))
 	require.Equal(t, 2, d.NumSessions(), "the draining connection and the new one")
 }
+
+// Close of a QUIC listener without a connection frees its UDP port before
+// it returns, as a net.Listener's Close does; CloseSessions, which ends
+// the connections, frees it before it returns too. Guards the socket's
+// closing, which waits for the listener's goroutines.
+func TestQUICCloseFreesPort(t *testing.T) {
+	rebind := func(t *testing.T, addr string) {
+		t.Helper()
+		u, err := net.ListenPacket("udp", addr)
+		require.NoError(t, err, "the port is still bound")
+		u.Close()
+	}
+	t.Run("Close", func(t *testing.T) {
+		_, stls, _ := quicTLS(t, false)
+		ln, err := (&shmlink.ListenConfig{TLSConfig: stls}).Listen(t.Context(), "quic", "127.0.0.1:0")
+		require.NoError(t, err)
+		require.NoError(t, ln.Close())
+		rebind(t, ln.Addr().String())
+		require.ErrorIs(t, ln.Close(), net.ErrClosed)
+	})
+	t.Run("CloseSessions", func(t *testing.T) {
+		ln, d := quicPair(t)
+		c, err := d.Dial("quic", ln.Addr().String())
+		require.NoError(t, err)
+		defer c.Close()
+		s, err := ln.Accept()
+		require.NoError(t, err)
+		defer s.Close()
+		require.Equal(t, 1, ln.CloseSessions())
+		rebind(t, ln.Addr().String())
+	})
+}
