@@ -18,6 +18,6 @@ func QUICIdleExpiring(d *Dialer, address string) {
 	qc := d.quic.conns[address]
 	d.mu.Unlock()
 	qc.mu.Lock()
-	qc.closeIdle = true
+	qc.state = quicDraining
 	qc.mu.Unlock()
 }

@@ -267,9 +267,10 @@ func (q *quicStream) CloseRead() error {
 }
 
 // Close ends the stream both ways: the bytes written so far still reach
-// the peer, which then reads io.EOF; what the peer writes after is
-// refused. Blocked Read and Write calls return ErrStreamClosed. Later
-// calls return ErrStreamClosed too.
+// the peer, which then reads io.EOF, even when the connection ends with
+// this stream (quic_conn.go); what the peer writes after is refused.
+// Blocked Read and Write calls return ErrStreamClosed. Later calls return
+// ErrStreamClosed too.
 func (q *quicStream) Close() error {
 	err := ErrStreamClosed
 	q.closeOnce.Do(func() {
@@ -435,33 +436,27 @@ func (e *quicError) Unwrap() []error {
 }
 
 // acceptQUICStream reads and checks the preamble of a stream the peer
-// opened, within timeout, and returns it as a net.Conn. A stream without
-// the preamble is reset with quicCodeBadPreamble, and one on a connection
-// that ends with its last stream with quicCodeRefused; then it returns
-// why.
+// opened, which the caller counted (quicStreamArrived), within timeout,
+// and returns it as a net.Conn. A stream without the preamble is reset
+// with quicCodeBadPreamble and counted closed; then it returns why.
 func acceptQUICStream(s *quic.Stream, qc *quicConn, timeout time.Duration) (*quicStream, error) {
 	var b [1]byte
 	s.SetReadDeadline(time.Now().Add(timeout))
 	if _, err := io.ReadFull(s, b[:]); err != nil || b[0] != quicPreamble {
 		s.CancelRead(quicCodeBadPreamble)
 		s.CancelWrite(quicCodeBadPreamble)
+		qc.closed()
 		if err == nil {
 			err = fmt.Errorf("%w: preamble %#x", ErrProtocol, b[0])
 		}
 		return nil, err
 	}
 	s.SetReadDeadline(time.Time{})
-	if !qc.tryOpen() {
-		qc.refused.Add(1)
-		s.CancelRead(quicCodeRefused)
-		s.CancelWrite(quicCodeRefused)
-		return nil, errQUICDraining
-	}
 	return &quicStream{s: s, qc: qc}, nil
 }
 
 // errQUICDraining is openQUICStream's error on a connection that takes no
-// new stream: its server moved (a hot restart) or the Dialer closes it.
+// new stream: it ends with its last stream (quicDraining).
 var errQUICDraining = errors.New("shmlink: QUIC connection takes no new stream")
 
 // openQUICStream opens a stream on qc and writes its preamble.
@@ -471,6 +466,7 @@ func openQUICStream(ctx context.Context, qc *quicConn) (*quicStream, error) {
 	}
 	s, err := qc.conn.OpenStreamSync(ctx)
 	if err == nil {
+		qc.step(quicStreamOpened, 0) // its id is taken: it reaches the peer, if only reset
 		if _, err = s.Write([]byte{quicPreamble}); err != nil {
 			s.CancelRead(quicCodeClosed)
 			s.CancelWrite(quicCodeClosed)

@@ -3,12 +3,9 @@ package shmlink
 import (
 	"cmp"
 	"context"
-	"encoding/binary"
 	"errors"
-	"io"
 	"log/slog"
 	"net"
-	"time"
 
 	"github.com/quic-go/quic-go"
 )
@@ -105,9 +102,10 @@ func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, err
 		d.mu.Unlock()
 
 		var conn *quic.Conn
+		qcfg := quicConfig(d.QUICConfig)
 		ua, err := net.ResolveUDPAddr("udp", address)
 		if err == nil {
-			conn, err = q.tr.Dial(ctx, ua, tlsConf, quicConfig(d.QUICConfig))
+			conn, err = q.tr.Dial(ctx, ua, tlsConf, qcfg)
 			if err != nil && ctx.Err() == nil {
 				err = quicHandshakeErr(err)
 			}
@@ -123,7 +121,11 @@ func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, err
 			err = errDialerClosed // the Close that failed the dial, if it did
 		case err != nil:
 		default:
-			qc = &quicConn{conn: conn, idleTimeout: cmp.Or(d.IdleTimeout, defaultIdleTimeout)}
+			qc = &quicConn{
+				conn:        conn,
+				idleTimeout: cmp.Or(d.IdleTimeout, defaultIdleTimeout),
+				linger:      qcfg.MaxIdleTimeout, // quic_conn.go
+			}
 			q.conns[address] = qc
 			q.live[qc] = struct{}{}
 			go d.trackQUIC(q, address, qc)
@@ -178,34 +180,17 @@ func (d *Dialer) quicSide() (*quicDialer, error) {
 }
 
 // trackQUIC forgets qc once its connection ended, keeping its counters.
-// Meanwhile it reads the server's messages (docs/protocol.md section 17):
-// on quicCtlHotRestart, new streams go to a new connection, and qc ends
-// with its last stream.
+// Meanwhile it reads the server's messages (readQUICCtl; docs/protocol.md
+// section 17): on quicCtlHotRestart, new streams go to a new connection,
+// and qc ends with its last stream.
 func (d *Dialer) trackQUIC(q *quicDialer, address string, qc *quicConn) {
-	ctx := qc.conn.Context()
 	log := d.logger()
 	log.Debug("shmlink: QUIC connection started", "client", true, "remote", qc.conn.RemoteAddr())
-	for {
-		s, err := qc.conn.AcceptUniStream(ctx)
-		if err != nil {
-			break // the connection ended
-		}
-		var msg [9]byte
-		s.SetReadDeadline(time.Now().Add(defaultQUICPreambleTimeout))
-		_, err = io.ReadFull(s, msg[:])
-		s.CancelRead(quicCodeClosed)
-		if err != nil || msg[0] != quicCtlHotRestart {
-			continue // a message of a later version, or none: ignored
-		}
-		log.Debug("shmlink: hot restart: draining", "remote", qc.conn.RemoteAddr(), "epoch", binary.BigEndian.Uint64(msg[1:]))
-		d.mu.Lock()
-		if q.conns[address] == qc {
-			delete(q.conns, address)
-		}
-		d.mu.Unlock()
-		qc.closeWhenIdle()
-	}
-	log.Debug("shmlink: QUIC connection ended", "remote", qc.conn.RemoteAddr(), "err", context.Cause(ctx))
+	readQUICCtl(qc, func(epoch uint64) {
+		log.Debug("shmlink: hot restart: draining", "remote", qc.conn.RemoteAddr(), "epoch", epoch)
+		qc.closeWhenIdle() // quicConnTo dials anew for the next stream
+	})
+	log.Debug("shmlink: QUIC connection ended", "remote", qc.conn.RemoteAddr(), "err", context.Cause(qc.conn.Context()))
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	delete(q.live, qc)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"net"
 	"sync"
+	"time"
 
 	"github.com/quic-go/quic-go"
 	"github.com/shmlink/shmlink/internal/sock"
@@ -23,6 +24,9 @@ type quicListener struct {
 	ln  *quic.Listener
 	cfg Config
 	up  *upgrade.Upgrader // hot upgrade; nil without ListenConfig.UpgradeSocket
+	// linger is the most a connection that ends with its last stream
+	// waits for its client to close it: the idle timeout (quic_conn.go).
+	linger time.Duration
 
 	accepts chan *quicStream
 	ctx     context.Context // done once the listener stops accepting
@@ -122,6 +126,7 @@ func startQUICListener(tr *quic.Transport, udp *net.UDPConn, rc *routedConn, up 
 		ln:      ln,
 		cfg:     cfg,
 		up:      up,
+		linger:  qcfg.MaxIdleTimeout,
 		accepts: make(chan *quicStream),
 		conns:   make(map[*quicConn]struct{}),
 	}
@@ -146,7 +151,7 @@ func (q *quicListener) acceptLoop() {
 			q.mu.Unlock()
 			return
 		}
-		qc := &quicConn{conn: conn}
+		qc := &quicConn{conn: conn, linger: q.linger}
 		q.mu.Lock()
 		if q.closed {
 			q.mu.Unlock()
@@ -165,9 +170,9 @@ func (q *quicListener) acceptLoop() {
 	}
 }
 
-// serve hands the streams of qc to Accept until the connection ends; once
-// the listener is closed it refuses new ones, and the connection ends with
-// its last stream.
+// serve hands the streams of qc to Accept until the connection ends, and
+// reads the client's messages (readQUICCtl); once the listener is closed
+// it refuses new streams, and the connection ends with its last stream.
 func (q *quicListener) serve(qc *quicConn) {
 	defer q.exit()
 	defer func() {
@@ -184,6 +189,7 @@ func (q *quicListener) serve(qc *quicConn) {
 	}()
 	var streams sync.WaitGroup
 	defer streams.Wait()
+	streams.Go(func() { readQUICCtl(qc, nil) })
 	for {
 		s, err := qc.conn.AcceptStream(ctx)
 		if err != nil {
@@ -193,8 +199,10 @@ func (q *quicListener) serve(qc *quicConn) {
 			qc.refused.Add(1)
 			s.CancelRead(quicCodeRefused)
 			s.CancelWrite(quicCodeRefused)
+			qc.step(quicStreamRefused, 0)
 			continue
 		}
+		qc.step(quicStreamArrived, 0)
 		streams.Add(1)
 		go func() {
 			defer streams.Done()

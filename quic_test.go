@@ -539,3 +539,91 @@ func TestQUICCloseFreesPort(t *testing.T) {
 		rebind(t, ln.Addr().String())
 	})
 }
+
+// After Listener.Close, the last accepted stream's Close ends the
+// connection, but not before the stream's data and FIN reached the
+// client: the server tells the client that its streams are closed, and
+// the client closes the connection once it has read them (the stream's
+// Close promises that "the bytes written so far still reach the peer").
+// Closing the connection at once lost most responses.
+func TestQUICCloseDeliversLastStream(t *testing.T) {
+	response := make([]byte, 256<<10)
+	for i := range response {
+		response[i] = byte(i * 7)
+	}
+	for range 20 {
+		ln, d := quicPair(t)
+		c, err := d.Dial("quic", ln.Addr().String())
+		require.NoError(t, err)
+		s, err := ln.Accept()
+		require.NoError(t, err)
+		require.NoError(t, ln.Close()) // the accepted stream lives on
+		_, err = s.Write(response)
+		require.NoError(t, err)
+		require.NoError(t, s.Close())
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		got, err := io.ReadAll(c)
+		require.NoError(t, err)
+		require.Equal(t, response, got)
+		require.NoError(t, c.Close())
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		require.NoError(t, ln.Shutdown(ctx), "the client closes the connection once it has read")
+		cancel()
+		d.Close()
+	}
+}
+
+// The Dialer's side of the same: a connection that its idle timeout ends
+// right after its last stream's Close (here at once) still delivers that
+// stream's data and FIN to the server.
+func TestQUICIdleCloseDeliversLastStream(t *testing.T) {
+	request := make([]byte, 256<<10)
+	for i := range request {
+		request[i] = byte(i * 3)
+	}
+	for range 20 {
+		ln, d := quicPair(t)
+		d.IdleTimeout = time.Nanosecond
+		c, err := d.Dial("quic", ln.Addr().String())
+		require.NoError(t, err)
+		s, err := ln.Accept()
+		require.NoError(t, err)
+		_, err = c.Write(request)
+		require.NoError(t, err)
+		require.NoError(t, c.Close())
+		s.SetReadDeadline(time.Now().Add(10 * time.Second))
+		got, err := io.ReadAll(s)
+		require.NoError(t, err)
+		require.Equal(t, request, got)
+		require.NoError(t, s.Close())
+		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+		require.NoError(t, ln.Shutdown(ctx), "the server closes the connection once its stream is closed")
+		cancel()
+		d.Close()
+	}
+}
+
+// A client that never reads or closes its stream does not keep a closed
+// listener's connection, and its socket, beyond the linger, which is the
+// QUIC idle timeout: Shutdown returns nil once the connection ended.
+func TestQUICLingerBounded(t *testing.T) {
+	_, stls, ctls := quicTLS(t, false)
+	lc := shmlink.ListenConfig{TLSConfig: stls, QUICConfig: &quic.Config{MaxIdleTimeout: 300 * time.Millisecond}}
+	ln, err := lc.Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer d.Close()
+	c, err := d.Dial("quic", ln.Addr().String())
+	require.NoError(t, err)
+	defer c.Close() // only at the end
+	s, err := ln.Accept()
+	require.NoError(t, err)
+	require.NoError(t, ln.Close())
+	_, err = s.Write([]byte("unread"))
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	require.NoError(t, ln.Shutdown(ctx), "the connection outlived the linger")
+}
