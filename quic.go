@@ -1,6 +1,7 @@
 package shmlink
 
 import (
+	"cmp"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -88,8 +89,11 @@ func quicTLS(c *tls.Config, server bool) (*tls.Config, error) {
 }
 
 // quicConfig returns a copy of c (nil: the defaults) with shmlink's
-// defaults in the fields left zero.
-func quicConfig(c *quic.Config) *quic.Config {
+// defaults in the fields left zero; handshake, the Config's
+// HandshakeTimeout, is the default HandshakeIdleTimeout when not zero:
+// quic-go then gives up a handshake after that long without a packet, and
+// after twice that in all.
+func quicConfig(c *quic.Config, handshake time.Duration) *quic.Config {
 	out := &quic.Config{}
 	if c != nil {
 		out = c.Clone()
@@ -101,7 +105,7 @@ func quicConfig(c *quic.Config) *quic.Config {
 		out.MaxIdleTimeout = defaultQUICIdleTimeout
 	}
 	if out.HandshakeIdleTimeout == 0 {
-		out.HandshakeIdleTimeout = quicHandshakeIdleFallback
+		out.HandshakeIdleTimeout = cmp.Or(handshake, quicHandshakeIdleFallback)
 	}
 	if out.MaxIncomingStreams == 0 {
 		out.MaxIncomingStreams = defaultQUICStreams

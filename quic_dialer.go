@@ -6,6 +6,7 @@ import (
 	"errors"
 	"log/slog"
 	"net"
+	"time"
 
 	"github.com/quic-go/quic-go"
 )
@@ -102,7 +103,11 @@ func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, err
 		d.mu.Unlock()
 
 		var conn *quic.Conn
-		qcfg := quicConfig(d.QUICConfig)
+		var handshake time.Duration
+		if d.Config != nil {
+			handshake = d.Config.HandshakeTimeout
+		}
+		qcfg := quicConfig(d.QUICConfig, handshake)
 		ua, err := net.ResolveUDPAddr("udp", address)
 		if err == nil {
 			conn, err = q.tr.Dial(ctx, ua, tlsConf, qcfg)

@@ -57,7 +57,7 @@ func (lc *ListenConfig) listenQUIC(ctx context.Context, address string, cfg Conf
 		return nil, err
 	}
 	cfg = withLogger(cfg)
-	qcfg := quicConfig(lc.QUICConfig)
+	qcfg := quicConfig(lc.QUICConfig, cfg.HandshakeTimeout)
 	if lc.UpgradeSocket == "" {
 		udp, err := quicUDP(address, cfg.Logger)
 		if err != nil {

@@ -627,3 +627,22 @@ func TestQUICLingerBounded(t *testing.T) {
 	defer cancel()
 	require.NoError(t, ln.Shutdown(ctx), "the connection outlived the linger")
 }
+
+// Config.HandshakeTimeout bounds a QUIC dial's TLS handshake too, as
+// quic-go's HandshakeIdleTimeout when QUICConfig leaves that zero: a
+// server that never answers fails the dial with ErrHandshake after about
+// that long (twice it at most), not after the 5 s fallback.
+func TestQUICHandshakeTimeout(t *testing.T) {
+	_, _, ctls := quicTLS(t, false)
+	silent, err := net.ListenPacket("udp", "127.0.0.1:0") // reads nothing, answers nothing
+	require.NoError(t, err)
+	defer silent.Close()
+	d := &shmlink.Dialer{TLSConfig: ctls, Config: &shmlink.Config{HandshakeTimeout: 100 * time.Millisecond}}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err = d.DialContext(ctx, "quic", silent.LocalAddr().String())
+	require.ErrorIs(t, err, shmlink.ErrHandshake)
+	require.Less(t, time.Since(start), 3*time.Second, "the handshake outlived Config.HandshakeTimeout")
+}
