@@ -31,6 +31,8 @@ type listenerAccess struct {
 // PeersRefused returns how many connections the listener has closed, since
 // it started, because the client's credentials failed Config.AllowUIDs or
 // Config.PeerCheck (each is also logged to Config.Logger at level Warn).
+// It stays 0 on "quic", where TLS (ClientAuth) refuses clients before
+// shmlink sees them.
 func (l *Listener) PeersRefused() uint64 { return l.access.peersRefused.Load() }
 
 // handshakeFailed logs a failed handshake on conn, and counts it if the

@@ -110,6 +110,11 @@ const (
 // streams in flight finish on the old one, which then acknowledges and
 // ends.
 //
+// On "quic" the Dialer keeps one QUIC connection per address, not a pool:
+// MaxSessions and StreamsPerSession do not apply; IdleTimeout, TLSConfig,
+// QUICConfig and the Config's HandshakeTimeout and Logger do, the rest of
+// Config (shared memory) does not.
+//
 // The zero value is ready to use. A Dialer is safe for concurrent use; its
 // fields must not change after the first Dial. Close it to end its
 // sessions.
@@ -263,7 +268,8 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 // a *ConfigError for a bad field, an error satisfying errors.Is(err,
 // net.ErrClosed) after Close, an error wrapping ctx.Err() when ctx is
 // done first (also in the middle of a handshake, which it then ends), and
-// the dial or handshake error. A dial that waits for another's handshake
+// the dial or handshake error; a failed handshake, on "quic" too, wraps
+// ErrHandshake. A dial that waits for another's handshake
 // dials again if that one ended for its own context.
 func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
 	if network == "quic" {
@@ -502,7 +508,8 @@ func (d *Dialer) track(s *session.Session) {
 // Stats returns the counters of every session the Dialer dialed, live and
 // ended, summed over all addresses; ActiveStreams counts the streams of
 // the live ones, and SlicesInUse is nil (each session has a region of its
-// own).
+// own). On "quic" only BytesSent, BytesReceived (without the preamble),
+// StreamsRefused and ActiveStreams count.
 func (d *Dialer) Stats() Stats {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -514,7 +521,8 @@ func (d *Dialer) Stats() Stats {
 }
 
 // NumSessions returns the number of live sessions the Dialer holds, over
-// all addresses.
+// all addresses. On "quic" it counts QUIC connections, a draining one
+// until it ends.
 func (d *Dialer) NumSessions() int {
 	d.mu.Lock()
 	defer d.mu.Unlock()

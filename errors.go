@@ -36,7 +36,11 @@ var (
 
 	// The errors of sessions and streams, from package session, so that a
 	// user of this package needs no other: see there for when each is
-	// returned.
+	// returned. On "quic": a stream the peer reset, or whose connection
+	// the peer ended, wraps ErrPeerClosed and never satisfies
+	// net.ErrClosed; a failed TLS handshake wraps ErrHandshake; a stream
+	// refused by a closed listener reads ErrStreamRefused; this side's
+	// close of the connection is ErrSessionClosed.
 	ErrSessionClosed = session.ErrSessionClosed // errors.Is(err, net.ErrClosed)
 	ErrStreamClosed  = session.ErrStreamClosed  // errors.Is(err, net.ErrClosed)
 	ErrWriteClosed   = session.ErrWriteClosed   // errors.Is(err, net.ErrClosed)

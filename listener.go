@@ -39,7 +39,8 @@ func checkNetwork(network string) error {
 
 // Listen listens for shmlink clients on a Unix socket path or a TCP address
 // and returns a listener whose Accept returns their streams, using the
-// default Config. See ListenConfig.Listen.
+// default Config. See ListenConfig.Listen. On "quic" it returns a
+// *ConfigError: that network needs a ListenConfig with TLSConfig.
 func Listen(network, address string) (net.Listener, error) {
 	var lc ListenConfig
 	ln, err := lc.Listen(context.Background(), network, address)
@@ -113,7 +114,10 @@ type ListenConfig struct {
 // connection runs its handshake in its own goroutine, bounded by
 // Config.HandshakeTimeout, so a slow or silent client never delays others;
 // a failed handshake closes that connection and is logged to
-// Config.Logger. A "unix" socket file gets SocketMode; a "tcp" address must
+// Config.Logger. On "quic", quic-go runs the TLS handshake before shmlink
+// sees the connection: a failed one is not logged, and
+// Config.HandshakeTimeout bounds it as quic-go's handshake idle timeout
+// (5 s when both are zero). A "unix" socket file gets SocketMode; a "tcp" address must
 // be loopback unless AllowNonLoopback. It returns ErrNetwork for other
 // networks, a *ConfigError for a bad Config or SocketMode, ErrNotLoopback
 // (wrapped) for a refused TCP address, and net.Listen's errors. With
@@ -185,7 +189,8 @@ func (lc *ListenConfig) checkTakenOver(ln net.Listener) error {
 }
 
 // Listener accepts streams from any number of client processes. It is a
-// net.Listener; Accept returns *Stream values.
+// net.Listener; Accept returns *Stream values, except on "quic", where its
+// net.Conn values are not *Stream.
 type Listener struct {
 	q *quicListener // the "quic" network's side; nil on the others
 
@@ -298,9 +303,14 @@ func (l *Listener) closedError(op string, err error) error {
 // streams already accepted live on, and each session ends when its last
 // stream does. New streams on those sessions, and streams that Accept has
 // not returned, are refused: a shmlink client gets ErrStreamRefused on
-// them, a client of another implementation reads io.EOF. Close returns
-// the error of closing the socket; later calls return an error satisfying
-// errors.Is(err, net.ErrClosed). Shutdown waits for the sessions to end;
+// them, a client of another implementation reads io.EOF (on "quic", a
+// reset with code 1). Close returns the error of closing the socket. On
+// "quic" the connections share the UDP socket: Close closes it before
+// returning only when no connection is left; otherwise the last
+// connection's end closes it, and a connection ends once its client has
+// read its last stream, or after the QUIC idle timeout (docs/protocol.md
+// section 17). Later calls return an error satisfying errors.Is(err,
+// net.ErrClosed). Shutdown waits for the sessions to end;
 // CloseSessions ends them at once. Handshakes in flight end at once, and
 // their connections are closed. With ListenConfig.UpgradeSocket, a Close
 // while a new process takes the listener over waits for that process's
@@ -367,8 +377,9 @@ func (l *Listener) Shutdown(ctx context.Context) error {
 // CloseSessions closes the listener (see Close) and ends every session it
 // accepted at once, with all their streams, which then fail with an error
 // satisfying errors.Is(err, net.ErrClosed); the clients read that the
-// session ended. It waits for the listener's goroutines and returns the
-// number of sessions it ended.
+// session ended. It waits for the listener's goroutines, and on "quic"
+// for its UDP socket to close, and returns the number of sessions (QUIC
+// connections) it ended.
 func (l *Listener) CloseSessions() int {
 	l.Close()
 	if l.q != nil {
@@ -405,7 +416,9 @@ func (l *Listener) closeSessions() int {
 // Stats returns the counters of every session the listener accepted,
 // live and ended, summed; ActiveStreams counts the streams of the live
 // ones, and SlicesInUse is nil (each session has a region of its own).
-// Publish it with expvar.Func for a /debug/vars page (see the example).
+// On "quic" only BytesSent, BytesReceived (without the preamble),
+// StreamsRefused and ActiveStreams count. Publish it with expvar.Func for
+// a /debug/vars page (see the example).
 func (l *Listener) Stats() Stats {
 	if l.q != nil {
 		return l.q.stats()
@@ -415,7 +428,8 @@ func (l *Listener) Stats() Stats {
 	return sumStats(l.ended, l.sessions)
 }
 
-// NumSessions returns the number of live sessions the listener tracks.
+// NumSessions returns the number of live sessions the listener tracks. On
+// "quic" it counts QUIC connections, a draining one until it ends.
 func (l *Listener) NumSessions() int {
 	if l.q != nil {
 		return l.q.numConns()
