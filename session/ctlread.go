@@ -200,9 +200,18 @@ func (in *ctlIn) setBroken(s *Session, t time.Time) {
 }
 
 // beginIdle marks the holder as between messages (kicks may come), and
-// for a pump publishes its stream; endIdle ends that, restoring the
-// deadline if a kick moved it.
-func (in *ctlIn) beginIdle(st *Stream) (yield bool) {
+// for a pump publishes its stream and brings the connection's deadline up
+// to its stream's; endIdle ends that, restoring the deadline if a kick
+// moved it.
+//
+// A SetReadDeadline kicks a pump only while it is published and idle: one
+// that came while it was not (before its first beginIdle, or while it
+// handled a message) is caught here, since st.rdl is read after st is
+// published, under st.rdl's lock, which the setter takes before it looks
+// for a pump to kick. Without that, a deadline cleared in such a window
+// left the old one on the connection: once it passed, every read failed at
+// once and the pump spun without reading.
+func (in *ctlIn) beginIdle(s *Session, st *Stream) (yield bool) {
 	in.kickMu.Lock()
 	defer in.kickMu.Unlock()
 	if st == nil && in.yield {
@@ -212,6 +221,9 @@ func (in *ctlIn) beginIdle(st *Stream) (yield bool) {
 	in.idle = true
 	if st != nil {
 		in.pumping.Store(st)
+		if rdl, _ := st.rdl.when(); !rdl.Equal(in.rdl) {
+			in.setDeadlineLocked(s, rdl)
+		}
 	}
 	return false
 }
@@ -316,7 +328,7 @@ func (s *Session) readCtl(st *Stream, want int) ctlResult {
 			return ctlDone
 		}
 		if in.r.Buffered() < wire.HeaderSize {
-			if in.beginIdle(st) {
+			if in.beginIdle(s, st) {
 				return ctlYield
 			}
 			if st != nil {
@@ -482,6 +494,9 @@ func (st *Stream) pump(want int) (ok, asked bool) {
 	in.kickMu.Lock()
 	in.setDeadlineLocked(s, rdl)
 	in.kickMu.Unlock()
+	if s.pumpHook != nil {
+		s.pumpHook(st)
+	}
 	res := s.readCtl(st, want)
 	// Others wait for the session's events (this reader counts in
 	// rx.waiters too), or this stream is done, or a message is the

@@ -2,6 +2,7 @@ package session
 
 import (
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -270,4 +271,35 @@ func TestHandBack(t *testing.T) {
 	announceRaw(t, mem, 6, write)
 	require.EqualValues(t, 6, accept(t, server).ID())
 	require.True(t, loopReads(), "the receive loop reads the connection again")
+}
+
+// A read deadline changed after a pump set the connection's deadline from
+// its stream's, but before the pump waited on the connection, when no kick
+// can reach it, still takes effect: the pump brings the connection's
+// deadline up to date before each wait (ctlIn.beginIdle). Before, the
+// connection kept the old deadline; once that passed, every read of it
+// failed at once, and the pump spun without reading the Polling of the
+// byte written later, which never arrived.
+func TestPumpDeadlineChangedBeforeWait(t *testing.T) {
+	client, server := pair(t, &Config{PollTime: -1})
+	client.rx.in.handBackAfter = time.Hour // the loop never takes it back here
+	c, s := streamPair(t, client, server)
+	old := time.Now().Add(20 * time.Millisecond)
+	require.NoError(t, c.SetReadDeadline(old))
+	var once sync.Once
+	client.pumpHook = func(st *Stream) {
+		if st == c {
+			once.Do(func() { c.SetReadDeadline(time.Time{}) })
+		}
+	}
+	got := make([]byte, 1)
+	done := readAsync(c, got)
+	waitPumping(t, c)
+	// The old deadline must pass: on the connection, it is what failed
+	// every read.
+	<-time.After(time.Until(old) + 10*time.Millisecond)
+	_, err := s.Write([]byte{'x'})
+	require.NoError(t, err)
+	require.NoError(t, result(t, done))
+	require.Equal(t, byte('x'), got[0])
 }

@@ -51,6 +51,11 @@ type Session struct {
 	dead        chan struct{} // closed when the session ends, for any reason
 	closeOnce   sync.Once     // runs fail's ending once
 	closeCalled atomic.Bool   // set by the first Close
+
+	// pumpHook, if set (tests only, before the session is used), is
+	// called by a pump once it has set the connection's read deadline,
+	// before it reads (ctlread.go).
+	pumpHook func(*Stream)
 }
 
 // sharedMem is a session's mapping of the shared memory and the limits on
