@@ -103,3 +103,64 @@ func TestWriteToWriterErrors(t *testing.T) {
 type writerFunc func([]byte) (int, error)
 
 func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+// srcReading waits until st's ReadFrom waits in its reader's Read.
+func srcReading(t *testing.T, st *Stream) {
+	t.Helper()
+	waitFor(t, "ReadFrom waits in its reader", func() bool {
+		st.mu.Lock()
+		defer st.mu.Unlock()
+		return st.srcRead
+	})
+}
+
+// Close does not wait for a ReadFrom blocked in its reader's Read (a
+// proxy's io.Copy(stream, conn) torn down from another goroutine): the
+// peer reads the end of the stream at once, ReadFrom returns
+// ErrStreamClosed once the Read returns, and the slice it read into is
+// freed then. Before, Close waited on the write side that ReadFrom held
+// until its reader returned.
+func TestCloseDuringReadFrom(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+	pr, pw := io.Pipe()
+	defer pw.Close()
+	copied := make(chan error, 1)
+	go func() {
+		_, err := c.ReadFrom(pr)
+		copied <- err
+	}()
+	srcReading(t, c)
+	closed := make(chan error, 1)
+	go func() { closed <- c.Close() }()
+	require.NoError(t, result(t, closed))
+	_, err := s.Read(make([]byte, 1))
+	require.ErrorIs(t, err, io.EOF, "the peer reads the end of the stream")
+	go pw.Write([]byte("late")) // the Read returns; its bytes are dropped
+	require.ErrorIs(t, result(t, copied), ErrStreamClosed)
+	require.NoError(t, s.Close())
+	eventually(t, func() bool { return sum(client.Stats().SlicesInUse) == 0 }, "every slice freed")
+}
+
+// The session's Close does not wait for such a ReadFrom either; the
+// session keeps its memory mapped until the Read returns, and unmaps it
+// then.
+func TestSessionCloseDuringReadFrom(t *testing.T) {
+	client, server := pair(t, nil)
+	c, _ := streamPair(t, client, server)
+	pr, pw := io.Pipe()
+	defer pw.Close()
+	copied := make(chan error, 1)
+	go func() {
+		_, err := c.ReadFrom(pr)
+		copied <- err
+	}()
+	srcReading(t, c)
+	closed := make(chan error, 1)
+	go func() { closed <- client.Close() }()
+	require.NoError(t, result(t, closed))
+	require.False(t, client.shm.unmapped.Load(), "unmapped under the Read")
+	pw.Close()
+	require.ErrorIs(t, result(t, copied), ErrStreamClosed)
+	eventually(t, func() bool { return client.shm.unmapped.Load() }, "the memory is unmapped once ReadFrom returned")
+}

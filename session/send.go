@@ -630,13 +630,35 @@ func (st *Stream) unreserveLocked(k int) {
 	}
 }
 
+// readSrc is r.Read(b) for ReadFrom, the caller holding wmu, with srcRead
+// set meanwhile so that a Close does not wait for it. It returns k < 0 if
+// the stream was closed meanwhile: the caller then ends the close.
+func (st *Stream) readSrc(r io.Reader, b []byte) (k int, err error) {
+	st.mu.Lock()
+	st.srcRead = true
+	st.mu.Unlock()
+	k, err = r.Read(b)
+	st.mu.Lock()
+	st.srcRead = false
+	left := st.closeLeft
+	st.closeLeft = false
+	st.mu.Unlock()
+	if left {
+		return -1, nil
+	}
+	return k, err
+}
+
 // ReadFrom reads from r until io.EOF or an error and sends what it reads,
 // each read as it comes: io.Copy(stream, r) uses it. r reads straight into
 // slices of shared memory, one copy less than Write from a buffer. It
 // returns the bytes sent, and nil at r's io.EOF, r's other errors, or
 // Write's. It holds the stream's write side meanwhile, as a TCPConn's
 // ReadFrom does: other writes wait, and the write deadline applies while
-// it waits for shared memory, not while r.Read blocks.
+// it waits for shared memory, not while r.Read blocks. A Close while r.Read
+// blocks returns at once (so does the session's Close); ReadFrom then
+// drops what that Read returns and returns ErrStreamClosed, and the
+// session keeps its memory mapped until then.
 func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
@@ -650,7 +672,12 @@ func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 		if err != nil {
 			return n, err
 		}
-		k, rerr := r.Read(b)
+		k, rerr := st.readSrc(r, b)
+		if k < 0 { // closed meanwhile
+			st.abortLocked()
+			st.forgetClosedLive()
+			return n, ErrStreamClosed
+		}
 		st.unreserveLocked(size - k)
 		if k > 0 {
 			if err := st.flushLocked(); err != nil {

@@ -38,6 +38,10 @@ type Stream struct {
 	readCh   chan struct{}
 	closedCh chan struct{} // closed by the transition to closed
 	rdl, wdl deadline
+	// srcRead is set while ReadFrom waits in its reader's Read, holding
+	// wmu; a Close meanwhile does not wait for wmu but sets closeLeft,
+	// and ReadFrom ends the close once that Read returns (see Close).
+	srcRead, closeLeft bool
 
 	// Read side, guarded by rmu: one read call at a time.
 	rmu    sync.Mutex
@@ -273,6 +277,12 @@ func (st *Stream) notifyRead() {
 func (st *Stream) Close() error {
 	st.mu.Lock()
 	act, ok := st.transition(evClose, false)
+	// A ReadFrom waiting in its reader's Read holds wmu for as long as
+	// that takes, and reads into a slice of the region: Close does not
+	// wait for it, and leaves it the end of the close (closeLeft). Its
+	// writes of viaSocket came before it set srcRead under mu.
+	inSrcRead := ok && st.srcRead
+	st.closeLeft = inSrcRead
 	st.mu.Unlock()
 	if !ok {
 		return ErrStreamClosed
@@ -280,10 +290,15 @@ func (st *Stream) Close() error {
 	st.rdl.stop()
 	st.wdl.stop()
 	st.s.rx.in.kick(st.s, st)
-	st.wmu.Lock()
-	st.abortLocked()
-	viaSocket := st.viaSocket
-	st.wmu.Unlock()
+	var viaSocket bool
+	if inSrcRead {
+		viaSocket = st.viaSocket
+	} else {
+		st.wmu.Lock()
+		st.abortLocked()
+		viaSocket = st.viaSocket
+		st.wmu.Unlock()
+	}
 	st.dropUnread()
 	if act.sendClose {
 		st.sendClose(viaSocket)
@@ -292,6 +307,19 @@ func (st *Stream) Close() error {
 	if s.isClient && s.Err() == nil {
 		s.forgetClosed(st)
 	}
+	if !inSrcRead {
+		st.forgetClosedLive()
+	}
+	return nil
+}
+
+// forgetClosedLive ends the close of st: the stream stops counting as
+// live, so the session may unmap its memory once it has ended. The
+// caller is Close, or ReadFrom holding wmu for a Close that came while it
+// waited in its reader's Read, once the reservation that Read filled is
+// aborted: the memory it wrote into stays mapped until then.
+func (st *Stream) forgetClosedLive() {
+	s := st.s
 	s.forgetLive(st)
 	// After forgetLive: a session that ends from here on forgets st with
 	// the other streams no longer live (fail), one that ended before is
@@ -299,7 +327,6 @@ func (st *Stream) Close() error {
 	if s.Err() != nil {
 		s.unroute(st, false) // no close will come from the peer
 	}
-	return nil
 }
 
 // Refuse closes a stream that a server session accepted but will not
