@@ -3,6 +3,8 @@ package session
 import (
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/require"
 )
 
 // A deadline stopped just as its timer fires, then set again, must not
@@ -58,5 +60,24 @@ func TestDeadlineNotifies(t *testing.T) {
 	}
 	if !isClosedChan(d.wait()) {
 		t.Fatal("notify came before the deadline's channel was closed")
+	}
+}
+
+// After Close every call fails with ErrStreamClosed, the zero-length Read
+// and Write included (they returned 0, nil).
+func TestZeroLengthAfterClose(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+	_, err := c.Write(nil)
+	require.NoError(t, err, "Write(nil) on an open stream")
+	_, err = s.Read(nil)
+	require.NoError(t, err, "Read(nil) on an open stream")
+	require.NoError(t, c.Close())
+	require.NoError(t, s.Close())
+	for _, st := range []*Stream{c, s} {
+		_, err = st.Write(nil)
+		require.ErrorIs(t, err, ErrStreamClosed, "Write(nil) after Close")
+		_, err = st.Read(nil)
+		require.ErrorIs(t, err, ErrStreamClosed, "Read(nil) after Close")
 	}
 }

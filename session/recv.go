@@ -712,6 +712,13 @@ func (st *Stream) whenReadable(want int, f func(region *buffer.Region) error) er
 	}
 }
 
+// closed reports whether Close was called on st.
+func (st *Stream) closed() bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.state.has(stClosed)
+}
+
 // tryRead runs f, under the fault guard, if want bytes are buffered, or
 // fewer but some once the stream ended; ran says whether it did. It
 // returns what it saw of the stream otherwise.
@@ -1022,6 +1029,9 @@ func (st *Stream) Read(p []byte) (n int, err error) {
 	st.startRead()
 	defer st.endRead()
 	if len(p) == 0 {
+		if st.closed() {
+			return 0, ErrStreamClosed // as any other Read after Close
+		}
 		return 0, nil
 	}
 	err = st.whenReadable(1, func(region *buffer.Region) (err error) {

@@ -50,6 +50,9 @@ func (st *Stream) Write(p []byte) (int, error) {
 	if err := st.flushLocked(); err != nil {
 		return 0, err
 	}
+	if len(p) == 0 {
+		return 0, st.writeCheck() // fails after Close as any other Write
+	}
 	n := 0
 	for n < len(p) {
 		k, err := st.writeSome(p[n:])

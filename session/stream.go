@@ -236,7 +236,10 @@ func (st *Stream) SetDeadline(t time.Time) error {
 // SetReadDeadline sets the time after which blocked and future reads fail
 // with a net.Error whose Timeout() is true and which unwraps to
 // os.ErrDeadlineExceeded. The zero time means no deadline. It returns
-// ErrStreamClosed after Close.
+// ErrStreamClosed after Close. A deadline bounds the wait for data: a read
+// that finds bytes buffered, or the peer's end, returns them even after
+// the deadline passed, as yamux's streams do (a socket's Read fails
+// instead); likewise a write that finds room in shared memory.
 func (st *Stream) SetReadDeadline(t time.Time) error {
 	if st.is(stClosed) {
 		return ErrStreamClosed
