@@ -304,3 +304,54 @@ func TestWriteWhileOwnReaderHoldsRegion(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, bytes.Equal(data[:n], got), "the request's bytes differ")
 }
+
+// A Peek (here ReadBytes) for more bytes than the region can hold as they
+// came, each message in a slice of its own, gets them: while its reader
+// waits holding bytes, the stream counts as stalled and its messages are
+// copied out of the region. Before, a reader in a read call never counted
+// as stalled, so nothing was copied out: ReadBytes(4000) of 1-byte writes
+// stopped at 2402 bytes with every slice of the default region in use, and
+// the writer waited for space for ever.
+func TestPeekMoreMessagesThanSlices(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		cfg   *Config
+		n     int // 1-byte messages
+		slice int // a ReadBytes of n at once, or Peek of this many bytes in one message
+	}{
+		{"small-messages", nil, 4000, 0},
+		{"one-large-message", &Config{BufferSize: 2 << 20}, 0, 4 << 20},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			client, server := pair(t, tc.cfg)
+			c, s := streamPair(t, client, server)
+			data := randomBytes(max(tc.n, tc.slice), 11)
+			wrote := make(chan error, 1)
+			go func() {
+				var err error
+				if tc.n > 0 {
+					for i := 0; i < tc.n && err == nil; i++ {
+						_, err = c.Write(data[i : i+1])
+					}
+				} else {
+					_, err = c.Write(data)
+				}
+				wrote <- err
+			}()
+			done := make(chan error, 1)
+			var got []byte
+			go func() {
+				var err error
+				if tc.n > 0 {
+					got, err = s.ReadBytes(tc.n)
+				} else {
+					got, err = s.Peek(tc.slice)
+				}
+				done <- err
+			}()
+			require.NoError(t, result(t, done))
+			require.True(t, bytes.Equal(data, got), "the bytes differ")
+			require.NoError(t, result(t, wrote))
+		})
+	}
+}

@@ -532,13 +532,14 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 // bytes of capacity goes to the heap rather than staying in shared memory
 // (docs/protocol.md section 13): it would take the stream, or all streams,
 // over their share of the region, while the region runs short and the
-// reader has stalled, and the heap limit allows it. A reader that keeps
-// reading only slows its writer down (backpressure): copying its data out
-// would slow it down further. The caller holds st.mu.
+// reader has stalled (or waits for more bytes than it has, see spillOwn),
+// and the heap limit allows it. A reader that keeps reading only slows its
+// writer down (backpressure): copying its data out would slow it down
+// further. The caller holds st.mu.
 func (st *Stream) mustCopyOut(region *buffer.Region, charge, total int) bool {
 	m := &st.s.shm
 	overShm := st.shm+charge > m.streamLimit || m.unread.Load()+int64(charge) > int64(m.sessionLimit)
-	return overShm && st.heap+total <= m.heapLimit && region.FreeBytes() < m.pressureBytes && st.stalled()
+	return overShm && st.heap+total <= m.heapLimit && region.FreeBytes() < m.pressureBytes && (st.stalled() || st.holdWait.Load())
 }
 
 // pushBytes queues data that came as FallbackData; the stream owns data.
@@ -706,10 +707,39 @@ func (st *Stream) whenReadable(want int, f func(region *buffer.Region) error) er
 		case ended:
 			return s.Err()
 		}
-		if err := st.waitForData(want); err != nil {
+		holds := buffered > 0
+		if holds {
+			// A Peek for more bytes than it has: the rest may need the
+			// slices that these hold, and the messages that come while
+			// it waits go to the heap too while the region runs short.
+			st.holdWait.Store(true)
+			st.spillOwn()
+		}
+		err = st.waitForData(want)
+		if holds {
+			st.holdWait.Store(false)
+		}
+		if err != nil {
 			return err
 		}
 	}
+}
+
+// spillOwn copies st's unread messages out of shared memory, within
+// Config.StreamHeapLimit, while the region runs short, for a reader that
+// waits for more bytes than it has (a Peek or ReadBytes): it cannot take
+// them until the rest arrives, and the rest may need their slices. Its
+// writer's process cannot see that it waits, and another stalled reader's
+// messages are copied out only while it is out of every read call. The
+// caller holds rmu.
+func (st *Stream) spillOwn() {
+	s := st.s
+	s.withMem(func(m *memory) error {
+		if m.region.FreeBytes() < s.shm.pressureBytes {
+			st.spill(m.region)
+		}
+		return nil
+	})
 }
 
 // closed reports whether Close was called on st.

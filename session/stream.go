@@ -69,6 +69,7 @@ type Stream struct {
 	pauseWaits uint32
 	pauseWay   waitWay
 	inRead     atomic.Bool  // a read call is running (read by the receive loop)
+	holdWait   atomic.Bool  // that call waits for more bytes than it has (see spillOwn)
 	lastRead   atomic.Int64 // when a recent read call ended, monoNow in ns (see endRead)
 
 	// Write side, guarded by wmu: one write call at a time.
