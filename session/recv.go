@@ -1085,7 +1085,10 @@ func (st *Stream) Read(p []byte) (n int, err error) {
 // by the caller. Treat every result as the former. It returns io.EOF if
 // the peer closed with no bytes left, io.ErrUnexpectedEOF if it closed with
 // fewer than n, one wrapping ErrBadLength if n is not positive, and the
-// errors of Read otherwise.
+// errors of Read otherwise. While it waits, the bytes it has are copied
+// out of shared memory if the region runs short, up to
+// Config.StreamHeapLimit: a larger n, in messages that fill the region,
+// waits until the read deadline.
 func (st *Stream) Peek(n int) ([]byte, error) {
 	st.startRead()
 	defer st.endRead()

@@ -354,7 +354,9 @@ func (st *Stream) Refuse() error {
 // sent, then the peer reads io.EOF after everything written, while this
 // side goes on reading what the peer sends. Later writes fail with
 // ErrWriteClosed; Close is still needed to release the stream and sends
-// nothing more. CloseWrite returns nil when called again, ErrStreamClosed
+// nothing more. It waits for a Write or ReadFrom under way to return, as
+// its bytes come first (a Write waiting for space returns at its write
+// deadline). CloseWrite returns nil when called again, ErrStreamClosed
 // after Close, and the error of sending the reserved bytes, if any (the
 // write side is closed anyway).
 func (st *Stream) CloseWrite() error {
