@@ -547,10 +547,7 @@ func TestQUICCloseFreesPort(t *testing.T) {
 // Close promises that "the bytes written so far still reach the peer").
 // Closing the connection at once lost most responses.
 func TestQUICCloseDeliversLastStream(t *testing.T) {
-	response := make([]byte, 256<<10)
-	for i := range response {
-		response[i] = byte(i * 7)
-	}
+	response := pattern(256<<10, 7)
 	for range 20 {
 		ln, d := quicPair(t)
 		c, err := d.Dial("quic", ln.Addr().String())
@@ -558,29 +555,49 @@ func TestQUICCloseDeliversLastStream(t *testing.T) {
 		s, err := ln.Accept()
 		require.NoError(t, err)
 		require.NoError(t, ln.Close()) // the accepted stream lives on
-		_, err = s.Write(response)
-		require.NoError(t, err)
-		require.NoError(t, s.Close())
-		c.SetReadDeadline(time.Now().Add(10 * time.Second))
-		got, err := io.ReadAll(c)
-		require.NoError(t, err)
-		require.Equal(t, response, got)
-		require.NoError(t, c.Close())
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		require.NoError(t, ln.Shutdown(ctx), "the client closes the connection once it has read")
-		cancel()
+		lastStreamArrives(t, s, c, response)
+		shutdownWithin(t, ln, "the client closes the connection once it has read")
 		d.Close()
 	}
+}
+
+// pattern returns n bytes of i*mul.
+func pattern(n, mul int) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i * mul)
+	}
+	return b
+}
+
+// lastStreamArrives writes data on w and closes it, and checks that r
+// reads all of it, then io.EOF, within 10 s; then it closes r.
+func lastStreamArrives(t *testing.T, w, r net.Conn, data []byte) {
+	t.Helper()
+	_, err := w.Write(data)
+	require.NoError(t, err)
+	require.NoError(t, w.Close())
+	r.SetReadDeadline(time.Now().Add(10 * time.Second))
+	got, err := io.ReadAll(r)
+	require.NoError(t, err)
+	require.Equal(t, data, got)
+	require.NoError(t, r.Close())
+}
+
+// shutdownWithin checks that ln's Shutdown returns nil within 10 s: its
+// connections ended by themselves.
+func shutdownWithin(t *testing.T, ln *shmlink.Listener, why string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, ln.Shutdown(ctx), why)
 }
 
 // The Dialer's side of the same: a connection that its idle timeout ends
 // right after its last stream's Close (here at once) still delivers that
 // stream's data and FIN to the server.
 func TestQUICIdleCloseDeliversLastStream(t *testing.T) {
-	request := make([]byte, 256<<10)
-	for i := range request {
-		request[i] = byte(i * 3)
-	}
+	request := pattern(256<<10, 3)
 	for range 20 {
 		ln, d := quicPair(t)
 		d.IdleTimeout = time.Nanosecond
@@ -588,17 +605,8 @@ func TestQUICIdleCloseDeliversLastStream(t *testing.T) {
 		require.NoError(t, err)
 		s, err := ln.Accept()
 		require.NoError(t, err)
-		_, err = c.Write(request)
-		require.NoError(t, err)
-		require.NoError(t, c.Close())
-		s.SetReadDeadline(time.Now().Add(10 * time.Second))
-		got, err := io.ReadAll(s)
-		require.NoError(t, err)
-		require.Equal(t, request, got)
-		require.NoError(t, s.Close())
-		ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
-		require.NoError(t, ln.Shutdown(ctx), "the server closes the connection once its stream is closed")
-		cancel()
+		lastStreamArrives(t, c, s, request)
+		shutdownWithin(t, ln, "the server closes the connection once its stream is closed")
 		d.Close()
 	}
 }

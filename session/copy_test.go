@@ -104,14 +104,24 @@ type writerFunc func([]byte) (int, error)
 
 func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
 
-// srcReading waits until st's ReadFrom waits in its reader's Read.
-func srcReading(t *testing.T, st *Stream) {
+// blockedReadFrom starts st.ReadFrom on a pipe and waits until it waits
+// in the pipe's Read; it returns the pipe's writer, closed when the test
+// ends, and the channel of ReadFrom's error.
+func blockedReadFrom(t *testing.T, st *Stream) (*io.PipeWriter, <-chan error) {
 	t.Helper()
+	pr, pw := io.Pipe()
+	t.Cleanup(func() { pw.Close() })
+	copied := make(chan error, 1)
+	go func() {
+		_, err := st.ReadFrom(pr)
+		copied <- err
+	}()
 	waitFor(t, "ReadFrom waits in its reader", func() bool {
 		st.mu.Lock()
 		defer st.mu.Unlock()
 		return st.srcRead
 	})
+	return pw, copied
 }
 
 // Close does not wait for a ReadFrom blocked in its reader's Read (a
@@ -123,14 +133,7 @@ func srcReading(t *testing.T, st *Stream) {
 func TestCloseDuringReadFrom(t *testing.T) {
 	client, server := pair(t, nil)
 	c, s := streamPair(t, client, server)
-	pr, pw := io.Pipe()
-	defer pw.Close()
-	copied := make(chan error, 1)
-	go func() {
-		_, err := c.ReadFrom(pr)
-		copied <- err
-	}()
-	srcReading(t, c)
+	pw, copied := blockedReadFrom(t, c)
 	closed := make(chan error, 1)
 	go func() { closed <- c.Close() }()
 	require.NoError(t, result(t, closed))
@@ -148,14 +151,7 @@ func TestCloseDuringReadFrom(t *testing.T) {
 func TestSessionCloseDuringReadFrom(t *testing.T) {
 	client, server := pair(t, nil)
 	c, _ := streamPair(t, client, server)
-	pr, pw := io.Pipe()
-	defer pw.Close()
-	copied := make(chan error, 1)
-	go func() {
-		_, err := c.ReadFrom(pr)
-		copied <- err
-	}()
-	srcReading(t, c)
+	pw, copied := blockedReadFrom(t, c)
 	closed := make(chan error, 1)
 	go func() { closed <- client.Close() }()
 	require.NoError(t, result(t, closed))
