@@ -111,7 +111,14 @@ func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, err
 		ua, err := net.ResolveUDPAddr("udp", address)
 		if err == nil {
 			conn, err = q.tr.Dial(ctx, ua, tlsConf, qcfg)
-			if err != nil && ctx.Err() == nil {
+			switch {
+			case err == nil:
+			case ctx.Err() != nil:
+				// The context ended the dial, or ended as the handshake
+				// failed for another reason: the dial's error is the
+				// context's either way, as net.Dialer's is.
+				err = ctx.Err()
+			default:
 				err = quicHandshakeErr(err)
 			}
 		}
