@@ -346,6 +346,19 @@ func TestQUICDialerIdleTimeout(t *testing.T) {
 	require.Equal(t, 1, d.NumSessions())
 }
 
+// dialAccepted dials ln with d on network and accepts the stream; both
+// ends are closed when the test ends.
+func dialAccepted(t *testing.T, d *shmlink.Dialer, ln *shmlink.Listener, network string) (c, s net.Conn) {
+	t.Helper()
+	c, err := d.Dial(network, ln.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { c.Close() })
+	s, err = ln.Accept()
+	require.NoError(t, err)
+	t.Cleanup(func() { s.Close() })
+	return c, s
+}
+
 // A peer's end of the connection (here the server's CloseSessions) reads
 // as ErrPeerClosed (ECONNRESET), as over shared memory, and not as a local
 // close: net.ErrClosed stays for this side's own Close. Guards the error
@@ -353,15 +366,10 @@ func TestQUICDialerIdleTimeout(t *testing.T) {
 // net.ErrClosed (docs/protocol.md section 17, Errors).
 func TestQUICPeerEndIsNotLocalClose(t *testing.T) {
 	run := func(t *testing.T, ln *shmlink.Listener, d *shmlink.Dialer, network string) {
-		c, err := d.Dial(network, ln.Addr().String())
-		require.NoError(t, err)
-		defer c.Close()
-		s, err := ln.Accept()
-		require.NoError(t, err)
-		defer s.Close()
+		c, s := dialAccepted(t, d, ln, network)
 		require.Equal(t, 1, ln.CloseSessions())
 		c.SetReadDeadline(time.Now().Add(10 * time.Second))
-		_, err = c.Read(make([]byte, 1))
+		_, err := c.Read(make([]byte, 1))
 		require.ErrorIs(t, err, shmlink.ErrPeerClosed)
 		require.ErrorIs(t, err, syscall.ECONNRESET)
 		require.NotErrorIs(t, err, net.ErrClosed, "the peer's close reads as a local one")
@@ -529,12 +537,7 @@ func TestQUICCloseFreesPort(t *testing.T) {
 	})
 	t.Run("CloseSessions", func(t *testing.T) {
 		ln, d := quicPair(t)
-		c, err := d.Dial("quic", ln.Addr().String())
-		require.NoError(t, err)
-		defer c.Close()
-		s, err := ln.Accept()
-		require.NoError(t, err)
-		defer s.Close()
+		dialAccepted(t, d, ln, "quic")
 		require.Equal(t, 1, ln.CloseSessions())
 		rebind(t, ln.Addr().String())
 	})
