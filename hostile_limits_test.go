@@ -206,7 +206,7 @@ func dialV2(t *testing.T, addr, dir, name string) *v2Victim {
 		return mem
 	}
 	bufPath, qPath := filepath.Join(dir, name+"_buffer"), filepath.Join(dir, name+"_queue_0")
-	_, err := buffer.Format(file(bufPath, 4<<20), buffer.DefaultSizeClasses())
+	_, err := buffer.Format(file(bufPath, 4<<20), buffer.PeerSizeClasses())
 	require.NoError(t, err)
 	v := &v2Victim{}
 	v.send, _, err = queue.FormatPair(file(qPath, queue.Size(1024)), 1024)

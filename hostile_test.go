@@ -93,7 +93,7 @@ func shareHostile(t *testing.T, addr string, newBuffer func(t *testing.T, size i
 		unix.Close(p.bufFd)
 		unix.Close(p.queueFd)
 	})
-	p.region, err = buffer.Format(p.bufMem, buffer.DefaultSizeClasses())
+	p.region, err = buffer.Format(p.bufMem, buffer.PeerSizeClasses())
 	require.NoError(t, err)
 	p.send, p.recv, err = queue.FormatPair(p.qMem, 8192)
 	require.NoError(t, err)

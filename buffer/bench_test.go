@@ -9,7 +9,7 @@ import (
 // pair of operations on a Go channel used as a free list.
 func BenchmarkAllocFree(b *testing.B) {
 	b.Run("region", func(b *testing.B) {
-		r, _ := testRegion(b, defaultRegionSize, DefaultSizeClasses())
+		r, _ := testRegion(b, defaultRegionSize, PeerSizeClasses())
 		b.ReportAllocs()
 		for b.Loop() {
 			off, err := r.Alloc(64)
@@ -22,7 +22,7 @@ func BenchmarkAllocFree(b *testing.B) {
 		}
 	})
 	b.Run("region-parallel", func(b *testing.B) {
-		r, _ := testRegion(b, defaultRegionSize, DefaultSizeClasses())
+		r, _ := testRegion(b, defaultRegionSize, PeerSizeClasses())
 		b.ReportAllocs()
 		b.ResetTimer()
 		b.RunParallel(func(pb *testing.PB) {
@@ -65,7 +65,7 @@ func BenchmarkChainWrite(b *testing.B) {
 	} {
 		p := pattern(bc.size, 1)
 		b.Run(bc.name, func(b *testing.B) {
-			r, _ := testRegion(b, defaultRegionSize, DefaultSizeClasses())
+			r, _ := testRegion(b, defaultRegionSize, PeerSizeClasses())
 			var w ChainWriter
 			w.Reset(r)
 			b.SetBytes(int64(bc.size))
@@ -93,7 +93,7 @@ func BenchmarkChainWrite(b *testing.B) {
 
 // BenchmarkChainRead reads a 1 MB chain with ChainReader.Read.
 func BenchmarkChainRead(b *testing.B) {
-	r, _ := testRegion(b, defaultRegionSize, DefaultSizeClasses())
+	r, _ := testRegion(b, defaultRegionSize, PeerSizeClasses())
 	w := r.newChainWriter()
 	if _, err := w.Write(pattern(1<<20, 2)); err != nil {
 		b.Fatal(err)

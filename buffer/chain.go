@@ -96,7 +96,7 @@ func (w *ChainWriter) Reserve(n int) ([]byte, error) {
 // one of its slices holds; then at most the slice size of the next class
 // down. So while large slices are scarce, Write takes one only to fill it
 // or when the classes below are exhausted (docs/protocol.md section 2.4).
-// Those slices are the fewest (51 in a default 32 MiB region) and the only
+// Those slices are the fewest (127 in a default 32 MiB region) and the only
 // ones a Reserve of more than the next class's size can use; a 64 KiB
 // event in one would leave half of it empty.
 func (w *ChainWriter) writeWant(left int) int {

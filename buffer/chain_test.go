@@ -60,7 +60,7 @@ func capacity(r *Region) int {
 }
 
 func TestChainRoundTrip(t *testing.T) {
-	r, _ := testRegion(t, defaultRegionSize, DefaultSizeClasses())
+	r, _ := testRegion(t, defaultRegionSize, PeerSizeClasses())
 	w := r.newChainWriter()
 	for _, tc := range []struct {
 		size  int
@@ -122,7 +122,7 @@ func TestChainRoundTrip(t *testing.T) {
 // every byte it could place and ErrNoSpace, and the partial chain must be
 // readable and freeable.
 func TestChainNoSpace(t *testing.T) {
-	r, _ := testRegion(t, defaultRegionSize, DefaultSizeClasses())
+	r, _ := testRegion(t, defaultRegionSize, PeerSizeClasses())
 	total := capacity(r)
 	want := pattern(40<<20, 1)
 	var w ChainWriter
@@ -268,7 +268,7 @@ func TestChainReaderMixed(t *testing.T) {
 }
 
 func TestChainZeroAllocs(t *testing.T) {
-	r, _ := testRegion(t, defaultRegionSize, DefaultSizeClasses())
+	r, _ := testRegion(t, defaultRegionSize, PeerSizeClasses())
 	var w ChainWriter
 	var c ChainReader
 	small := pattern(64, 0)
@@ -380,7 +380,7 @@ func (r chainIO) Read(p []byte) (int, error) { return r.c.Read(p) }
 // of a 128 KiB one. With large slices plentiful, or the classes below
 // exhausted, the event takes one.
 func TestWriteLeavesLargestClassWhenShort(t *testing.T) {
-	r, _ := testRegion(t, defaultRegionSize, DefaultSizeClasses())
+	r, _ := testRegion(t, defaultRegionSize, PeerSizeClasses())
 	w := r.newChainWriter()
 	write := func(size int) []int {
 		t.Helper()

@@ -54,11 +54,37 @@ func TestFlagWord(t *testing.T) {
 	require.Equal(t, uint8(flagAllocated), wordFlags(binary.NativeEndian.Uint32([]byte{0x02, 0xff, 0xff, 0xff})))
 }
 
-func TestDefaultSizeClasses(t *testing.T) {
-	a := DefaultSizeClasses()
+func TestPeerSizeClasses(t *testing.T) {
+	a := PeerSizeClasses()
 	require.Equal(t, []SizeClass{{8172, 50}, {32748, 30}, {131052, 20}}, a)
 	a[0].SliceSize = 1
-	require.Equal(t, uint32(8172), DefaultSizeClasses()[0].SliceSize, "each call returns a fresh slice")
+	require.Equal(t, uint32(8172), PeerSizeClasses()[0].SliceSize, "each call returns a fresh slice")
+}
+
+// TestDefaultSizeClasses checks shmlink's default classes and the lists
+// they make in a region of the default 32 MiB (docs/protocol.md section
+// 2.2): the peers' slice sizes, with the largest class's share raised.
+func TestDefaultSizeClasses(t *testing.T) {
+	a := DefaultSizeClasses()
+	require.Equal(t, []SizeClass{{8172, 20}, {32748, 30}, {131052, 50}}, a)
+	a[2].Percent = 1
+	require.Equal(t, uint32(50), DefaultSizeClasses()[2].Percent, "each call returns a fresh slice")
+
+	mem := make([]byte, defaultRegionSize)
+	r, err := Format(mem, DefaultSizeClasses())
+	require.NoError(t, err)
+	off0 := uint32(8)
+	off1 := off0 + 36 + 819*8192
+	off2 := off1 + 36 + 307*32768
+	require.Equal(t, []listInfo{
+		{Offset: off0, Cap: 819, SliceSize: 8172},
+		{Offset: off1, Cap: 307, SliceSize: 32748},
+		{Offset: off2, Cap: 127, SliceSize: 131052},
+	}, r.listInfo())
+	require.Equal(t, 131052, r.MaxSliceSize())
+	a2, err := Attach(mem)
+	require.NoError(t, err)
+	require.Equal(t, r.listInfo(), a2.listInfo(), "a peer reads the lists from the headers")
 }
 
 // littleEndian skips t on a big-endian host: the expected bytes below are
@@ -70,9 +96,10 @@ func littleEndian(t *testing.T) {
 	}
 }
 
-// checkDefaultLayout checks that mem holds a freshly formatted default
-// region (docs/protocol.md section 2.2) and that r describes it.
-func checkDefaultLayout(t *testing.T, mem []byte, r *Region) {
+// checkPeerLayout checks that mem holds a freshly formatted region of the
+// peers' default classes (docs/protocol.md section 2.2) and that r
+// describes it.
+func checkPeerLayout(t *testing.T, mem []byte, r *Region) {
 	t.Helper()
 	littleEndian(t)
 	require.Equal(t, []byte{0x03, 0x00, 0x00, 0x00, 0x6c, 0x60, 0xff, 0x01}, mem[:regionHeaderSize])
@@ -116,11 +143,11 @@ func checkDefaultLayout(t *testing.T, mem []byte, r *Region) {
 	}
 }
 
-func TestFormatDefaultLayout(t *testing.T) {
+func TestFormatPeerLayout(t *testing.T) {
 	mem := make([]byte, defaultRegionSize)
-	r, err := Format(mem, DefaultSizeClasses())
+	r, err := Format(mem, PeerSizeClasses())
 	require.NoError(t, err)
-	checkDefaultLayout(t, mem, r)
+	checkPeerLayout(t, mem, r)
 
 	a, err := Attach(mem)
 	require.NoError(t, err)

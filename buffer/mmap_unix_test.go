@@ -22,9 +22,9 @@ func mmapShared(t *testing.T, size int) []byte {
 
 func TestFormatSharedMapping(t *testing.T) {
 	mem := mmapShared(t, defaultRegionSize)
-	r, err := Format(mem, DefaultSizeClasses())
+	r, err := Format(mem, PeerSizeClasses())
 	require.NoError(t, err)
-	checkDefaultLayout(t, mem, r)
+	checkPeerLayout(t, mem, r)
 
 	// A second view, as the peer would have, shares every list.
 	a, err := Attach(mem)
@@ -54,7 +54,7 @@ func TestMemoryTooLarge(t *testing.T) {
 		t.Skipf("cannot reserve 4 GiB: %v", err)
 	}
 	defer unix.Munmap(mem)
-	_, err = Format(mem, DefaultSizeClasses())
+	_, err = Format(mem, PeerSizeClasses())
 	require.ErrorIs(t, err, errBadConfig)
 	_, err = Attach(mem)
 	require.ErrorIs(t, err, ErrCorrupt)

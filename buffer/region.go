@@ -33,12 +33,28 @@ type SizeClass struct {
 	Percent uint32
 }
 
-// DefaultSizeClasses returns the size classes of the existing peers'
-// default region (docs/protocol.md section 2.2): slices of 8 KiB, 32 KiB and
-// 128 KiB including their header, at 50, 30 and 20 percent. In a region of
-// the default 32 MiB they make lists of 2047, 307 and 51 slices. The
-// returned slice is new on every call; the caller may modify it.
+// DefaultSizeClasses returns the size classes of shmlink's default
+// region (session.Config.SizeClasses; docs/protocol.md section 2.2): the
+// slice sizes of the existing peers' default (PeerSizeClasses), 8 KiB,
+// 32 KiB and 128 KiB including their header, at 20, 30 and 50 percent
+// instead of 50, 30 and 20. In a region of the default 32 MiB they make
+// lists of 819, 307 and 127 slices. The returned slice is new on every
+// call; the caller may modify it.
 func DefaultSizeClasses() []SizeClass {
+	return []SizeClass{
+		{SliceSize: 8<<10 - sliceHeaderSize, Percent: 20},
+		{SliceSize: 32<<10 - sliceHeaderSize, Percent: 30},
+		{SliceSize: 128<<10 - sliceHeaderSize, Percent: 50},
+	}
+}
+
+// PeerSizeClasses returns the size classes of the existing peers' default
+// region (the Go module shmipc-go and the Rust crate shmipc;
+// docs/protocol.md section 2.2): slices of 8 KiB, 32 KiB and 128 KiB
+// including their header, at 50, 30 and 20 percent. In a region of 32 MiB
+// they make lists of 2047, 307 and 51 slices. The returned slice is new on
+// every call; the caller may modify it.
+func PeerSizeClasses() []SizeClass {
 	return []SizeClass{
 		{SliceSize: 8<<10 - sliceHeaderSize, Percent: 50},
 		{SliceSize: 32<<10 - sliceHeaderSize, Percent: 30},

@@ -162,7 +162,7 @@ func TestAttachSharesState(t *testing.T) {
 }
 
 func TestAllocFree(t *testing.T) {
-	r, mem := testRegion(t, defaultRegionSize, DefaultSizeClasses())
+	r, mem := testRegion(t, defaultRegionSize, PeerSizeClasses())
 	lists := r.listInfo()
 	for _, tc := range []struct {
 		size int

@@ -92,16 +92,20 @@ type Config struct {
 	// (docs/protocol.md section 2): 64 KiB to 4 GiB - 1 (offsets are
 	// 32-bit), with room for at least 2 slices of every size class.
 	// Default 32 MiB. Servers map whatever the client created. A memfd region takes memory for one
-	// page per slice when it is formatted (about 9.4 MiB of the default
-	// 32 MiB) and for the rest as data first passes through it; a
+	// page per slice when it is formatted (about 4.9 MiB of the default
+	// 32 MiB with the default SizeClasses) and for the rest as data first passes through it; a
 	// file-backed region takes all of it at the dial, which fails with an
 	// error wrapping syscall.ENOSPC if ShmDir's file system has no room
 	// (docs/protocol.md section 13).
 	BufferSize int
 
 	// SizeClasses are the slice sizes (data bytes per slice) and the share
-	// of the region (percent) each gets. Default buffer.DefaultSizeClasses():
-	// 8172, 32748 and 131052 bytes at 50, 30 and 20 percent.
+	// of the region (percent) each gets, used by a client that creates the
+	// region (docs/protocol.md section 2.2). Default
+	// buffer.DefaultSizeClasses(): 8172, 32748 and 131052 bytes at 20, 30
+	// and 50 percent. The existing peers' default,
+	// buffer.PeerSizeClasses(), gives the same sizes 50, 30 and 20 percent:
+	// more slices for small messages, fewer of the largest for bulk data.
 	SizeClasses []buffer.SizeClass
 
 	// QueueCap is the number of events per direction of the IO queue a

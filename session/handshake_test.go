@@ -89,7 +89,9 @@ func TestClientHandshakeV3Bytes(t *testing.T) {
 	require.EqualValues(t, 196656, st.Size, "queue second")
 	mem, err := unix.Mmap(fds[0], 0, 8, unix.PROT_READ, unix.MAP_SHARED)
 	require.NoError(t, err)
-	require.Equal(t, "030000006c60ff01", hex.EncodeToString(mem[:8]), "region header")
+	// 3 lists, then their bytes (0x01fde06c) with shmlink's default
+	// classes: 819, 307 and 127 slices (docs/protocol.md section 2.2).
+	require.Equal(t, "030000006ce0fd01", hex.EncodeToString(mem[:8]), "region header")
 	unix.Munmap(mem)
 	flags, err := unix.FcntlInt(uintptr(fds[0]), unix.F_GETFD, 0)
 	require.NoError(t, err)

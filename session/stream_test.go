@@ -287,8 +287,9 @@ func TestConfigValidate(t *testing.T) {
 		{Config{AcceptBacklog: -1}, "AcceptBacklog"},
 		{Config{QueueFullTimeout: -1}, "QueueFullTimeout"},
 		// #15: these passed Validate and then failed the handshake.
-		{Config{BufferSize: 64 << 10}, "BufferSize"}, // the default classes need more
-		{Config{BufferSize: 1 << 20}, "BufferSize"},
+		{Config{BufferSize: 64 << 10}, "BufferSize"},                                                  // the default classes need more
+		{Config{BufferSize: 512 << 10}, "BufferSize"},                                                 // 2 slices of 128 KiB need 50 % of 512 KiB + headers
+		{Config{BufferSize: 1 << 20, SizeClasses: buffer.PeerSizeClasses()}, "SizeClasses"},           // 20 %: 1 slice of 128 KiB
 		{Config{SizeClasses: []buffer.SizeClass{{SliceSize: 4094, Percent: 100}}}, "SizeClasses"},     // not a multiple of 4
 		{Config{SizeClasses: []buffer.SizeClass{{SliceSize: 16 << 20, Percent: 100}}}, "SizeClasses"}, // one slice
 		{Config{PollTime: time.Hour}, "PollTime"},
@@ -300,6 +301,7 @@ func TestConfigValidate(t *testing.T) {
 		require.Equal(t, tc.field, ce.Field)
 	}
 	require.NoError(t, (&Config{}).Validate())
+	require.NoError(t, (&Config{BufferSize: 1 << 20}).Validate(), "the default classes fit 1 MiB")
 }
 
 // Validate refuses every config the handshake would refuse (#15): for
