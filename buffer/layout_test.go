@@ -73,18 +73,25 @@ func TestDefaultSizeClasses(t *testing.T) {
 	mem := make([]byte, defaultRegionSize)
 	r, err := Format(mem, DefaultSizeClasses())
 	require.NoError(t, err)
-	off0 := uint32(8)
-	off1 := off0 + 36 + 819*8192
-	off2 := off1 + 36 + 307*32768
-	require.Equal(t, []listInfo{
-		{Offset: off0, Cap: 819, SliceSize: 8172},
-		{Offset: off1, Cap: 307, SliceSize: 32748},
-		{Offset: off2, Cap: 127, SliceSize: 131052},
-	}, r.listInfo())
+	require.Equal(t, classLists(819, 307, 127), r.listInfo())
 	require.Equal(t, 131052, r.MaxSliceSize())
 	a2, err := Attach(mem)
 	require.NoError(t, err)
 	require.Equal(t, r.listInfo(), a2.listInfo(), "a peer reads the lists from the headers")
+}
+
+// classLists returns the lists that the peers' slice sizes (8, 32 and 128
+// KiB with their header) make with caps slices each, laid out one after
+// the other from the region header on (docs/protocol.md section 2.2).
+func classLists(caps ...uint32) []listInfo {
+	sizes := []uint32{8172, 32748, 131052}
+	lists := make([]listInfo, len(caps))
+	off := uint32(regionHeaderSize)
+	for i, c := range caps {
+		lists[i] = listInfo{Offset: off, Cap: c, SliceSize: sizes[i]}
+		off += listHeaderSize + c*(sizes[i]+sliceHeaderSize)
+	}
+	return lists
 }
 
 // littleEndian skips t on a big-endian host: the expected bytes below are
@@ -104,15 +111,14 @@ func checkPeerLayout(t *testing.T, mem []byte, r *Region) {
 	littleEndian(t)
 	require.Equal(t, []byte{0x03, 0x00, 0x00, 0x00, 0x6c, 0x60, 0xff, 0x01}, mem[:regionHeaderSize])
 
-	off0 := uint32(8)
-	off1 := off0 + 36 + 2047*8192
-	off2 := off1 + 36 + 307*32768
+	lists := classLists(2047, 307, 51)
 	require.Equal(t, []listInfo{
-		{Offset: off0, Cap: 2047, SliceSize: 8172},
-		{Offset: off1, Cap: 307, SliceSize: 32748},
-		{Offset: off2, Cap: 51, SliceSize: 131052},
-	}, r.listInfo())
-	require.Equal(t, uint32(off2+36+51*131072), 8+binary.LittleEndian.Uint32(mem[4:]))
+		{Offset: 8, Cap: 2047, SliceSize: 8172},
+		{Offset: 8 + 36 + 2047*8192, Cap: 307, SliceSize: 32748},
+		{Offset: 8 + 36 + 2047*8192 + 36 + 307*32768, Cap: 51, SliceSize: 131052},
+	}, lists, "the peers' layout, spelled out")
+	require.Equal(t, lists, r.listInfo())
+	require.Equal(t, uint32(lists[2].Offset+36+51*131072), 8+binary.LittleEndian.Uint32(mem[4:]))
 	require.Equal(t, defaultRegionSize, len(r.mem))
 	require.Equal(t, 131052, r.MaxSliceSize())
 	require.Equal(t, []int{0, 0, 0}, r.InUse())
