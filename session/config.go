@@ -91,11 +91,12 @@ type Config struct {
 	// BufferSize is the size in bytes of the buffer region a client creates
 	// (docs/protocol.md section 2): 64 KiB to 4 GiB - 1 (offsets are
 	// 32-bit), with room for at least 2 slices of every size class.
-	// Default 32 MiB. Servers map whatever the client created. A memfd region takes memory for one
-	// page per slice when it is formatted (about 4.9 MiB of the default
-	// 32 MiB with the default SizeClasses) and for the rest as data first passes through it; a
-	// file-backed region takes all of it at the dial, which fails with an
-	// error wrapping syscall.ENOSPC if ShmDir's file system has no room
+	// Default 32 MiB. Servers map whatever the client created. A memfd
+	// region takes memory for one page per slice when it is formatted
+	// (about 4.9 MiB of the default 32 MiB with the default SizeClasses)
+	// and for the rest as data first passes through it; a file-backed
+	// region takes all of it at the dial, which fails with an error
+	// wrapping syscall.ENOSPC if ShmDir's file system has no room
 	// (docs/protocol.md section 13).
 	BufferSize int
 
