@@ -509,8 +509,18 @@ func (st *Stream) pump(want int) (ok, asked bool) {
 	} else {
 		in.let(s)
 	}
+	if s.pumpDoneHook != nil {
+		s.pumpDoneHook(st)
+	}
 	in.tok.Unlock()
-	if handBack {
+	// Checked again once tok is free: a reader that began to wait after
+	// the check above found tok held, by this pump, and sleeps counting on
+	// it: either it could not read the connection itself (pump's TryLock
+	// failed, and nobody was asked to let go), or its needReader's signal
+	// went to a receive loop that could not take tok. Nobody else would
+	// read the connection until the timer's hand-back, up to 16 ms (20 ms
+	// on a client), while the reader's Polling waits in it.
+	if handBack || s.rx.waiters.Load() > 1 {
 		signal(in.bgWake)
 	}
 	return res != ctlHandOff, false

@@ -2,6 +2,8 @@ package session
 
 import (
 	"os"
+	"runtime"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -302,4 +304,73 @@ func TestPumpDeadlineChangedBeforeWait(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, result(t, done))
 	require.Equal(t, byte('x'), got[0])
+}
+
+// goroutineWaits reports whether some goroutine is blocked in state (as a
+// traceback names it: "select", "chan receive") with fn on its stack.
+func goroutineWaits(fn, state string) bool {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	for _, g := range strings.Split(string(buf), "\n\n") {
+		header, _, _ := strings.Cut(g, "\n")
+		if strings.Contains(header, "["+state) && strings.Contains(g, fn) {
+			return true
+		}
+	}
+	return false
+}
+
+// A pump that got its data and found no other reader waiting lets the
+// connection go for its next wait. A reader that begins to wait after
+// that check, while the pump still holds the connection, finds it held:
+// one that would read it itself sleeps (nobody holds it for it to ask),
+// and one that leaves it to the receive loop wakes a loop that cannot
+// take it. The pump, once it lets go, sees that reader and hands the
+// connection back, so the reader's Polling is read at once rather than
+// at the timer's hand-back (docs/protocol.md section 12.1).
+func TestPumpLetGoSeesLaterReader(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		poll  time.Duration
+		state string // the second reader's, asleep
+	}{
+		{"self", -1, "select"},
+		{"loop", 50 * time.Microsecond, "chan receive"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			client, server := pair(t, &Config{PollTime: tc.poll})
+			in := &client.rx.in
+			in.handBackAfter = time.Hour // the timer never hands it back here
+			c1, s1 := streamPair(t, client, server)
+			c2, s2 := streamPair(t, client, server)
+			c1.waitEWMA = 8 * time.Hour // c1's waits run long: it reads the connection itself
+			got := make([]byte, 1)
+			var done2 <-chan error
+			client.pumpDoneHook = func(st *Stream) {
+				if st != c1 || done2 != nil {
+					return
+				}
+				done2 = readAsync(c2, got)
+				waitFor(t, "the second reader sleeps", func() bool {
+					if !goroutineWaits("(*Stream).waitForData", tc.state) {
+						return false
+					}
+					// The loop that c2 woke (needReader) tried, and
+					// failed, to take the connection.
+					return tc.poll < 0 || (len(in.bgWake) == 0 && goroutineWaits("(*Session).recvLoop", "select"))
+				})
+			}
+			done1 := readAsync(c1, make([]byte, 1))
+			waitPumping(t, c1)
+			_, err := s1.Write([]byte{'a'})
+			require.NoError(t, err)
+			require.NoError(t, result(t, done1))
+			require.NotNil(t, done2, "the pump got its data without the hook")
+
+			_, err = s2.Write([]byte{'b'})
+			require.NoError(t, err)
+			require.NoError(t, result(t, done2), "the second reader waits for a Polling that nobody reads")
+			require.Equal(t, byte('b'), got[0])
+		})
+	}
 }

@@ -56,6 +56,10 @@ type Session struct {
 	// called by a pump once it has set the connection's read deadline,
 	// before it reads (ctlread.go).
 	pumpHook func(*Stream)
+	// pumpDoneHook, if set (tests only), is called by a pump that got
+	// what it waited for, after it chose whether to hand the connection
+	// back and before it lets go of it (ctlread.go).
+	pumpDoneHook func(*Stream)
 }
 
 // sharedMem is a session's mapping of the shared memory and the limits on
