@@ -278,3 +278,32 @@ func TestHostileTCPOtherUID(t *testing.T) {
 	require.False(t, errors.Is(err, os.ErrDeadlineExceeded), "the server kept the connection of another uid")
 	requireStillServes(t, proc, addr, dir)
 }
+
+// A peer that puts one slice in event after event, for a stream that does
+// not read, ends its own session with a corrupt-memory error once the
+// server would hold more slices than the region has; the server's memory
+// does not grow with the events (before, each queued a message of its own).
+func TestHostileReusedSlice(t *testing.T) {
+	proc, addr, dir := startServerPeer(t)
+	p := dialHostile(t, addr)
+	require.NoError(t, p.conn.SetWriteDeadline(time.Now().Add(30*time.Second)))
+	// A stream that only writes, and never reads what follows its
+	// command (its writes soon wait for slices the peer never frees).
+	p.write(t, fallbackMsg(2, peertest.Command(peertest.CmdGenerate, 1<<40)))
+	// Its first bytes in our queue: the server has read the command, and
+	// what comes next is the stream's data, not a new stream's command.
+	require.Eventually(t, func() bool { return !p.recv.Empty() }, 10*time.Second, time.Millisecond, "the stream's first bytes")
+	var w buffer.ChainWriter
+	w.Reset(p.region)
+	_, err := w.Write([]byte{'x'})
+	require.NoError(t, err)
+	off, _ := w.Finish()
+	slices, _ := p.region.Capacity()
+	for range 3 * slices { // the queue (8192 events) holds them all
+		require.NoError(t, p.send.Put(queue.Event{StreamID: 2, Offset: off}))
+	}
+	p.wake(t)
+	waitHangup(t, p.conn)
+	requireStillServes(t, proc, addr, dir)
+	require.Contains(t, proc.Stderr(), "still unread", "the stream's error says what the peer did")
+}

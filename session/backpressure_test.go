@@ -355,3 +355,28 @@ func TestPeekMoreMessagesThanSlices(t *testing.T) {
 		})
 	}
 }
+
+// A message copied out of shared memory for a stalled reader arrives whole
+// or not at all. A peer that shrinks a slice of it between the check of its
+// chain and the copy would otherwise leave the end of the pooled buffer
+// unwritten: bytes of an earlier message, maybe another stream's, in the
+// reader's data. The session ends with ErrCorrupt instead.
+func TestSpillOfShrunkChain(t *testing.T) {
+	client, server := pair(t, tinyConfig())
+	c, s := streamPair(t, client, server)
+	shrunk := false
+	server.shm.mu.Lock() // pushChain reads the hook under shm.mu
+	server.spillHook = func(region *buffer.Region, off uint32) {
+		if !shrunk {
+			shrunk = true
+			require.NoError(t, region.SetPayload(off, 1)) // as the peer may, in its own memory
+		}
+	}
+	server.shm.mu.Unlock()
+	data := randomBytes(2<<20, 4)
+	c.Write(data) // fails once the server ended
+	waitDone(t, server.Done(), "the server's end")
+	require.ErrorIs(t, server.Err(), buffer.ErrCorrupt)
+	got, _ := io.ReadAll(s)
+	require.True(t, bytes.HasPrefix(data, got), "%d bytes read, not all the peer's", len(got))
+}

@@ -134,7 +134,9 @@ type Config struct {
 
 	// MaxMessageSize bounds, with StreamHeapLimit, the FallbackData bytes
 	// a stream may hold unread on the heap: max(StreamHeapLimit,
-	// MaxMessageSize) per stream, four times that per session. Past it
+	// MaxMessageSize) per stream, four times that per session, each
+	// message queued there counting 256 bytes beyond its own, with room
+	// for that on one whole message of this size. Past it
 	// the session stops reading its control connection until readers
 	// take some (the peer's writes wait), and ends with an error naming
 	// the limits once none has for QueueFullTimeout (docs/protocol.md

@@ -389,3 +389,80 @@ func TestRefusalReasonOnlyToMarkedClients(t *testing.T) {
 		})
 	}
 }
+
+// A peer that puts one slice in event after event, for a stream nobody
+// reads, would have each event queue a message here that holds a slice
+// already held: without a bound, memory that grows with what the peer
+// sends. A session that would hold more slices than its region has ends
+// with ErrCorrupt instead (docs/protocol.md section 13).
+func TestReusedSliceRefused(t *testing.T) {
+	mem, server, write := rawClient(t, nil, nil)
+	announceRaw(t, mem, 2, write)
+	st := accept(t, server) // and never read
+	off, err := mem.region.Alloc(1)
+	require.NoError(t, err)
+	require.NoError(t, mem.region.SetPayload(off, 1))
+	slices, _ := mem.region.Capacity()
+	for sent := 0; sent < 3*slices && !isClosedChan(server.dead); {
+		if mem.send.Put(queue.Event{StreamID: 2, Offset: off}) != nil {
+			// Full: let the server harvest, or end.
+			if mem.send.MarkWorking() {
+				write(wire.AppendSimple(nil, 3, wire.TypePolling))
+			}
+			waitFor(t, "the server harvests", func() bool { return mem.send.Empty() || isClosedChan(server.dead) })
+			continue
+		}
+		sent++
+		if mem.send.MarkWorking() {
+			write(wire.AppendSimple(nil, 3, wire.TypePolling)) // fails once the server ended
+		}
+	}
+	waitDone(t, server.Done(), "the server's end")
+	require.ErrorIs(t, server.Err(), buffer.ErrCorrupt)
+	require.ErrorContains(t, server.Err(), "still unread")
+	st.mu.Lock()
+	queued := len(st.recv) - st.rhead
+	st.mu.Unlock()
+	require.LessOrEqual(t, queued, slices, "messages queued, each holding the one slice")
+}
+
+// FallbackData of one byte each counts its chunk's cost (heapChunkCost)
+// against the heap limits besides its byte: the server takes no more such
+// messages than the limit holds at that cost, where counting bytes alone
+// let it queue a message per byte of the limit, each some 90 bytes of heap
+// (docs/protocol.md section 13).
+func TestTinyFallbackCounted(t *testing.T) {
+	mem, server, cc := rawClientConn(t, nil, &Config{StreamHeapLimit: 64 << 10, MaxMessageSize: 64 << 10})
+	write := func(b []byte) error { _, err := cc.Write(b); return err }
+	announceRaw(t, mem, 2, write)
+	st := accept(t, server) // and never read
+	go func() {
+		// Until the server stops reading and the test's cleanup closes
+		// the socket.
+		var batch []byte
+		for {
+			batch = batch[:0]
+			for range 256 {
+				batch = wire.AppendFallbackHeader(batch, 3, 2, 0, 1)
+				batch = append(batch, 'x')
+			}
+			if write(batch) != nil {
+				return
+			}
+		}
+	}()
+	waitFor(t, "the server waits for a reader", func() bool { return server.shm.heapWaiting.Load() })
+	st.mu.Lock()
+	queued, heap := len(st.recv)-st.rhead, st.heap
+	st.mu.Unlock()
+	limit := server.shm.socketLimit
+	require.Greater(t, queued, 100, "tiny messages taken")
+	// Each counts more than 64 bytes: the heap it takes stays near what
+	// is counted, not 90 times more.
+	require.LessOrEqual(t, queued, limit/64, "messages queued for the limit of %d", limit)
+	require.Equal(t, queued*(1+heapChunkCost), heap, "bytes and cost of the messages counted")
+	got := make([]byte, queued)
+	_, err := io.ReadFull(st, got)
+	require.NoError(t, err)
+	require.Equal(t, bytes.Repeat([]byte{'x'}, queued), got)
+}

@@ -410,7 +410,8 @@ type recvBuf struct {
 	rhead    int
 	buffered int       // unread bytes in recv
 	shm      int       // capacity of the slices that recv's unread bytes occupy
-	heap     int       // unread bytes in recv held on the heap
+	heap     int       // unread bytes in recv held on the heap, with heapChunkCost per chunk there
+	slices   int       // the peer's slices held: one per chunk in shared memory, and held's
 	held     []uint32  // consumed slices with a zero-copy view out
 	heldBufs []*[]byte // consumed spill buffers with a zero-copy view out
 }
@@ -501,15 +502,32 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 		// that a stalled reader holds heap, not slices that the other
 		// streams, or writers on either side, need.
 		data, buf := getSpillBuf(total)
+		if s.spillHook != nil {
+			s.spillHook(region, off)
+		}
 		cr.Reset(region, off) // cannot fail: it did above
-		readFull(&cr, data)   // cannot fail: the walk above saw the same chain
+		if err := readFull(&cr, data); err != nil {
+			// The peer changed the chain since the walk above (a size
+			// that shrank): the pooled buffer's tail would hold bytes of
+			// an earlier message, maybe another stream's.
+			putSpillBuf(buf)
+			return fmt.Errorf("%w: stream %d: the peer changed a message's slices while it was copied out of the region: %v",
+				buffer.ErrCorrupt, st.id, err)
+		}
 		st.recv = append(st.recv, chunk{data: data, remain: total, buf: buf})
 		st.buffered += total
-		st.addHeap(total)
+		st.addHeap(total + heapChunkCost)
 		s.ctr.spilled.Add(uint64(total))
 		st.notifyRead()
 		_, err := region.FreeChain(off)
 		return err
+	}
+	if n := s.shm.holding.Load(); n >= int64(s.shm.maxLinks) {
+		// Every slice of the region is ours already: the peer put a slice
+		// that we still hold (one slice in event after event), and each
+		// such message would cost memory here without bound.
+		return fmt.Errorf("%w: stream %d: a message arrived while the session holds %d slices of a region of %d: the peer put a slice that is still unread",
+			buffer.ErrCorrupt, st.id, n, s.shm.maxLinks)
 	}
 	p, next, hasNext, err := region.Payload(off)
 	if err != nil {
@@ -520,6 +538,7 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 	st.buffered += total
 	st.shm += charge
 	s.shm.unread.Add(int64(charge))
+	st.holdSlices(1)
 	st.notifyRead()
 	if len(c.data) == 0 {
 		// The first slice is empty: move to the first one with bytes.
@@ -562,14 +581,29 @@ func (st *Stream) pushBytes(data []byte) error {
 	}
 	st.recv = append(st.recv, chunk{data: data, remain: len(data)})
 	st.buffered += len(data)
-	st.addHeap(len(data))
+	st.addHeap(len(data) + heapChunkCost)
 	st.mu.Unlock()
 	st.notifyRead()
 	return nil
 }
 
+// heapChunkCost is what a message on the heap counts beyond its bytes
+// against the heap limits (docs/protocol.md section 13): about the memory
+// of its chunk (72 bytes, up to twice that while recv grows) and of its
+// buffer's allocation. Without it, a peer sending FallbackData of one byte
+// each held some 90 bytes of heap per byte counted.
+const heapChunkCost = 256
+
+// holdSlices counts n slices more (or fewer, if negative) that st holds of
+// the peer's messages (sharedMem.holding). The caller holds st.mu.
+func (st *Stream) holdSlices(n int) {
+	st.slices += n
+	st.s.shm.holding.Add(int64(n))
+}
+
 // addHeap counts n unread bytes more (or fewer, if negative) held on the
-// heap by st and by its session. The caller holds st.mu.
+// heap by st and by its session: a message's bytes, and heapChunkCost for
+// the message itself while it is queued. The caller holds st.mu.
 func (st *Stream) addHeap(n int) {
 	m := &st.s.shm
 	st.heap += n
@@ -619,6 +653,7 @@ func (st *Stream) dropUnread() {
 				if c.off != 0 {
 					if c.pinned {
 						st.held = append(st.held, c.off)
+						st.holdSlices(1)
 					} else {
 						m.region.Free(c.off)
 					}
@@ -633,6 +668,7 @@ func (st *Stream) dropUnread() {
 	}
 	s.shm.unread.Add(-int64(st.shm))
 	s.shm.heapUnread.Add(-int64(st.heap))
+	s.shm.holding.Add(-int64(st.slices))
 	st.recvBuf = recvBuf{}
 	s.shm.noteFreed()
 }
@@ -1241,10 +1277,10 @@ func (st *Stream) ReleasePreviousRead() {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if m := s.shm.mem; m == nil {
-		st.held = st.held[:0]
+		st.dropHeldLocked()
 		st.releaseBufsLocked()
 	} else if err := guard(func() error { st.releaseHeldLocked(m.region); return nil }); err != nil {
-		st.held = st.held[:0]
+		st.dropHeldLocked()
 		go s.failOp("release", err)
 	}
 }
@@ -1262,8 +1298,15 @@ func (st *Stream) releaseHeldLocked(region *buffer.Region) {
 			break
 		}
 	}
-	st.held = st.held[:0]
+	st.dropHeldLocked()
 	st.s.shm.noteFreed()
+}
+
+// dropHeldLocked forgets the slices behind zero-copy results. The caller
+// holds st.mu.
+func (st *Stream) dropHeldLocked() {
+	st.holdSlices(-len(st.held))
+	st.held = st.held[:0]
 }
 
 // releaseBufsLocked returns to their pools the spill buffers behind
@@ -1339,6 +1382,7 @@ func (st *Stream) advanceLocked(region *buffer.Region, c *chunk) error {
 		if c.off != 0 {
 			if c.pinned {
 				st.held = append(st.held, c.off)
+				st.holdSlices(1)
 			} else if err := region.Free(c.off); err != nil {
 				st.dropHeadLocked()
 				return err
@@ -1376,10 +1420,13 @@ func (st *Stream) dropHeadLocked() {
 	st.recycleBuf(*c)
 	st.buffered -= c.remain
 	if c.off == 0 {
-		st.addHeap(-c.remain)
+		st.addHeap(-c.remain - heapChunkCost)
 	}
 	st.shm -= c.charge
 	st.s.shm.unread.Add(-int64(c.charge))
+	if c.off != 0 {
+		st.holdSlices(-1)
+	}
 	*c = chunk{}
 	st.rhead++
 	if st.rhead == len(st.recv) {
@@ -1648,9 +1695,10 @@ func (st *Stream) spill(region *buffer.Region) (held int) {
 		}
 		st.shm -= c.charge
 		st.s.shm.unread.Add(-int64(c.charge))
+		st.holdSlices(-1)
 		st.s.ctr.spilled.Add(uint64(len(data)))
 		*c = chunk{data: data, remain: len(data), buf: buf}
-		st.addHeap(len(data))
+		st.addHeap(len(data) + heapChunkCost)
 		st.s.shm.noteFreed()
 	}
 	return st.shm

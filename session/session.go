@@ -60,6 +60,10 @@ type Session struct {
 	// what it waited for, after it chose whether to hand the connection
 	// back and before it lets go of it (ctlread.go).
 	pumpDoneHook func(*Stream)
+	// spillHook, if set (tests only, under shm.mu), is called by
+	// pushChain before it copies a checked chain at off out of the region
+	// (recv.go).
+	spillHook func(region *buffer.Region, off uint32)
 }
 
 // sharedMem is a session's mapping of the shared memory and the limits on
@@ -74,15 +78,23 @@ type sharedMem struct {
 	// streams occupies, in bytes; sessionLimit bounds it (half the region).
 	unread       atomic.Int64
 	sessionLimit int
+	// holding counts the peer's slices that streams hold: the current
+	// slice of each unread message in the region, and each slice behind a
+	// zero-copy result not yet released. Each is a slice the peer cannot
+	// have allocated again, so a correct peer never takes it to maxLinks;
+	// one that puts a slice we hold, again and again, would make every
+	// such message cost memory here (Stream.pushChain refuses it).
+	holding atomic.Int64
 	// streamLimit and heapLimit bound one stream's unread bytes held in
 	// the region and copied out of it (Config.StreamMemoryLimit,
 	// Config.StreamHeapLimit).
 	streamLimit, heapLimit int
-	// heapUnread is the unread bytes all streams hold on the heap. No
+	// heapUnread is the unread bytes all streams hold on the heap, with
+	// heapChunkCost per message queued there (Stream.addHeap). No
 	// FallbackData is delivered while its stream holds more than
-	// socketLimit bytes there, or all streams more than four times that:
-	// max(StreamHeapLimit, MaxMessageSize), so that a peer may always send
-	// one whole message of the largest size. The receive loop waits for
+	// socketLimit there, or all streams more than four times that:
+	// max(StreamHeapLimit, MaxMessageSize) and the cost of its pieces, so
+	// that a peer may always send one whole message of the largest size. The receive loop waits for
 	// readers then, and ends the session if none reads for
 	// Config.QueueFullTimeout.
 	heapUnread  atomic.Int64
@@ -108,7 +120,8 @@ type sharedMem struct {
 	// slices and copying out would only slow the reader down.
 	pressureBytes int
 	maxLinks      int // slices in the region: the longest possible chain
-	maxSlice      int // data bytes of the region's largest slice: the most a Reserve gives
+
+	maxSlice int // data bytes of the region's largest slice: the most a Reserve gives
 }
 
 // streamTable holds a session's streams, guarded by Session.mu.
@@ -244,7 +257,10 @@ func (m *sharedMem) init(mem *memory, c *Config) {
 	m.heapTaken = make(chan struct{}, 1)
 	m.spaceWait = 4 * time.Microsecond
 	m.heapLimit = max(c.StreamHeapLimit, 0)
-	m.socketLimit = max(m.heapLimit, c.MaxMessageSize)
+	// Each queued piece counts heapChunkCost beyond its bytes: one whole
+	// message of the largest size, in pieces of fallbackPiece, still fits.
+	limit := max(m.heapLimit, c.MaxMessageSize)
+	m.socketLimit = limit + (limit/fallbackPiece+1)*heapChunkCost
 	switch {
 	case c.StreamMemoryLimit == 0:
 		m.streamLimit = len(mem.bufMem) / 4
