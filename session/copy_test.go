@@ -5,7 +5,9 @@ import (
 	"errors"
 	"hash/crc32"
 	"io"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -159,4 +161,57 @@ func TestSessionCloseDuringReadFrom(t *testing.T) {
 	pw.Close()
 	require.ErrorIs(t, result(t, copied), ErrStreamClosed)
 	eventually(t, func() bool { return client.shm.unmapped.Load() }, "the memory is unmapped once ReadFrom returned")
+}
+
+// closingSource returns one byte per Read until st is closed; a Read that
+// finds st closed blocks until release is closed, as a connection with
+// nothing more to say would.
+type closingSource struct {
+	st      *Stream
+	reads   atomic.Int64
+	release chan struct{}
+}
+
+func (r *closingSource) Read(p []byte) (int, error) {
+	if r.st.closed() {
+		<-r.release
+		return 0, io.EOF
+	}
+	r.reads.Add(1)
+	p[0] = 'x'
+	return 1, nil
+}
+
+// A Close that comes between two of ReadFrom's Reads, after its
+// reservation, finds no Read under way and waits for the write side to
+// end the close itself: ReadFrom must then not begin the next Read, which
+// could hold that Close for ever. The window is a few instructions wide,
+// so the test tries it many times, at varying points of the copy.
+func TestCloseBetweenReadFromReads(t *testing.T) {
+	client, server := pair(t, nil)
+	for trial := range 200 {
+		c, s := streamPair(t, client, server)
+		go io.Copy(io.Discard, s)
+		src := &closingSource{st: c, release: make(chan struct{})}
+		copied := make(chan error, 1)
+		go func() {
+			_, err := c.ReadFrom(src)
+			copied <- err
+		}()
+		waitFor(t, "ReadFrom copies", func() bool { return src.reads.Load() > int64(trial%7) })
+		closed := make(chan struct{})
+		go func() {
+			c.Close()
+			close(closed)
+		}()
+		select {
+		case <-closed:
+		case <-time.After(10 * time.Second):
+			close(src.release)
+			t.Fatalf("trial %d: Close waited 10 s for a ReadFrom's reader", trial)
+		}
+		close(src.release)
+		require.ErrorIs(t, result(t, copied), ErrStreamClosed)
+		require.NoError(t, s.Close())
+	}
 }

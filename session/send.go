@@ -635,9 +635,18 @@ func (st *Stream) unreserveLocked(k int) {
 
 // readSrc is r.Read(b) for ReadFrom, the caller holding wmu, with srcRead
 // set meanwhile so that a Close does not wait for it. It returns k < 0 if
-// the stream was closed meanwhile: the caller then ends the close.
+// the stream was closed meanwhile: the caller then ends the close. If it
+// was closed before, it reads nothing and returns ErrStreamClosed: that
+// Close waits for wmu.
 func (st *Stream) readSrc(r io.Reader, b []byte) (k int, err error) {
 	st.mu.Lock()
+	if st.state.has(stClosed) {
+		// A Close came after the reservation, saw no srcRead, and waits
+		// for wmu to end the close itself: a Read now could hold it for
+		// ever.
+		st.mu.Unlock()
+		return 0, ErrStreamClosed
+	}
 	st.srcRead = true
 	st.mu.Unlock()
 	k, err = r.Read(b)
