@@ -2,6 +2,7 @@ package session
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -465,4 +466,71 @@ func TestTinyFallbackCounted(t *testing.T) {
 	_, err := io.ReadFull(st, got)
 	require.NoError(t, err)
 	require.Equal(t, bytes.Repeat([]byte{'x'}, queued), got)
+}
+
+// A stream's first FallbackData after events goes after a Polling, so that
+// a peer that handles FallbackData without draining its queue first (the
+// Rust crate) sees the events before it (docs/protocol.md section 10). A
+// Flush whose FallbackData met its write deadline with nothing sent owes
+// that Polling still: the stream's next FallbackData carries it.
+func TestPollingOwedAfterFailedFlush(t *testing.T) {
+	mem, server, cc := rawClientConn(t,
+		&Config{BufferSize: 64 << 10, SizeClasses: tinyConfig().SizeClasses},
+		&Config{Fallback: true, WriteTimeout: 10 * time.Second})
+	write := func(b []byte) error { _, err := cc.Write(b); return err }
+	announceRaw(t, mem, 2, write)
+	a := accept(t, server)
+	announceRaw(t, mem, 3, write)
+	b := accept(t, server)
+
+	_, err := b.Write([]byte("hello")) // an event in shared memory
+	require.NoError(t, err)
+	// a fills the region, then the socket, which the test does not read
+	// yet: a holds the connection.
+	aDone := make(chan error, 1)
+	go func() { _, err := a.Write(make([]byte, 4<<20)); aDone <- err }()
+	waitFor(t, "a waits in its socket write", func() bool { return goroutineWaits("(*Session).writeTimed", "IO wait") })
+	require.NoError(t, b.SetWriteDeadline(time.Now().Add(100*time.Millisecond)))
+	p, err := b.Reserve(10) // the region is full: on the heap
+	require.NoError(t, err)
+	copy(p, "xxxxxxxxxx")
+	require.ErrorIs(t, b.Flush(), os.ErrDeadlineExceeded, "nothing sent (and the reservation dropped)")
+	require.NoError(t, b.SetWriteDeadline(time.Time{}))
+
+	// Read the connection: which message came before b's first
+	// FallbackData?
+	var prev wire.MsgType
+	readDone := make(chan error, 1)
+	go func() {
+		hdr := make([]byte, wire.HeaderSize)
+		last := wire.MsgType(0xff)
+		for {
+			if _, err := io.ReadFull(cc, hdr); err != nil {
+				readDone <- err
+				return
+			}
+			h, err := wire.ParseHeader(hdr, 0)
+			if err != nil {
+				readDone <- err
+				return
+			}
+			payload := make([]byte, int(h.Length)-wire.HeaderSize)
+			if _, err := io.ReadFull(cc, payload); err != nil {
+				readDone <- err
+				return
+			}
+			if h.Type == wire.TypeFallbackData && binary.BigEndian.Uint32(payload) == b.ID() {
+				prev = last
+				readDone <- nil
+				io.Copy(io.Discard, cc) // the rest of a's bytes
+				return
+			}
+			last = h.Type
+		}
+	}()
+	_, err = b.Write([]byte("world")) // the region is still full: FallbackData
+	require.NoError(t, err)
+	require.NoError(t, result(t, readDone))
+	require.Equal(t, wire.TypePolling, prev, "b's first FallbackData after its event came after %v", prev)
+	require.NoError(t, result(t, aDone))
 }

@@ -397,11 +397,10 @@ func (st *Stream) flushLocked() error {
 	for len(st.pending) > 0 {
 		st.viaSocket = true
 		k := min(len(st.pending), maxFallbackChunk)
-		err := s.writeFallback(st.id, st.pending[:k], st.queued, &st.wdl)
-		st.queued = false
-		if err != nil {
-			return err
+		if err := s.writeFallback(st.id, st.pending[:k], st.queued, &st.wdl); err != nil {
+			return err // nothing sent: the Polling is still owed
 		}
+		st.queued = false
 		st.pending = st.pending[k:]
 	}
 	return nil
