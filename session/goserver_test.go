@@ -89,21 +89,13 @@ func (g *goServerDouble) followsEmptyFirst(id, off uint32) bool {
 }
 
 func (g *goServerDouble) run() error {
-	var hdr [wire.HeaderSize]byte
 	for {
-		if _, err := io.ReadFull(g.conn, hdr[:]); err != nil {
-			g.dropped = !g.mem.recv.Empty()
+		h, payload, err := readCtlMsg(g.conn)
+		if err != nil {
 			if errors.Is(err, io.EOF) {
+				g.dropped = !g.mem.recv.Empty()
 				return nil
 			}
-			return err
-		}
-		h, err := wire.ParseHeader(hdr[:], 1<<20)
-		if err != nil {
-			return err
-		}
-		payload := make([]byte, int(h.Length)-wire.HeaderSize)
-		if _, err := io.ReadFull(g.conn, payload); err != nil {
 			return err
 		}
 		if h.Type == wire.TypeHotRestartAck {

@@ -468,6 +468,25 @@ func TestTinyFallbackCounted(t *testing.T) {
 	require.Equal(t, bytes.Repeat([]byte{'x'}, queued), got)
 }
 
+// readCtlMsg reads one whole control message from r, as a peer would: its
+// header (docs/protocol.md section 1.1) and its payload, of at most 1 MiB.
+// It returns io.EOF only at the end of r before a message began.
+func readCtlMsg(r io.Reader) (wire.Header, []byte, error) {
+	var hdr [wire.HeaderSize]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return wire.Header{}, nil, err
+	}
+	h, err := wire.ParseHeader(hdr[:], 1<<20)
+	if err != nil {
+		return h, nil, err
+	}
+	payload := make([]byte, int(h.Length)-wire.HeaderSize)
+	if _, err := io.ReadFull(r, payload); err != nil {
+		return h, nil, err
+	}
+	return h, payload, nil
+}
+
 // A stream's first FallbackData after events goes after a Polling, so that
 // a peer that handles FallbackData without draining its queue first (the
 // Rust crate) sees the events before it (docs/protocol.md section 10). A
@@ -502,20 +521,10 @@ func TestPollingOwedAfterFailedFlush(t *testing.T) {
 	var prev wire.MsgType
 	readDone := make(chan error, 1)
 	go func() {
-		hdr := make([]byte, wire.HeaderSize)
 		last := wire.MsgType(0xff)
 		for {
-			if _, err := io.ReadFull(cc, hdr); err != nil {
-				readDone <- err
-				return
-			}
-			h, err := wire.ParseHeader(hdr, 0)
+			h, payload, err := readCtlMsg(cc)
 			if err != nil {
-				readDone <- err
-				return
-			}
-			payload := make([]byte, int(h.Length)-wire.HeaderSize)
-			if _, err := io.ReadFull(cc, payload); err != nil {
 				readDone <- err
 				return
 			}
