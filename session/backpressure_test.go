@@ -311,7 +311,8 @@ func TestWriteWhileOwnReaderHoldsRegion(t *testing.T) {
 // copied out of the region. Before, a reader in a read call never counted
 // as stalled, so nothing was copied out: ReadBytes(4000) of 1-byte writes
 // stopped at 2402 bytes with every slice of the default region in use, and
-// the writer waited for space for ever.
+// the writer waited for space for ever. So did it when the reader read the
+// control connection itself: it stopped only with all n bytes.
 func TestPeekMoreMessagesThanSlices(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
@@ -321,6 +322,10 @@ func TestPeekMoreMessagesThanSlices(t *testing.T) {
 	}{
 		{"small-messages", nil, 4000, 0},
 		{"one-large-message", &Config{BufferSize: 2 << 20}, 0, 4 << 20},
+		// The reader reads the control connection itself (a pump),
+		// which waited for all n bytes before, and for ever.
+		{"small-messages-pump", &Config{PollTime: -1}, 4000, 0},
+		{"one-large-message-pump", &Config{BufferSize: 2 << 20, PollTime: -1}, 0, 4 << 20},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			client, server := pair(t, tc.cfg)

@@ -471,8 +471,8 @@ func (in *ctlIn) needReader() {
 	}
 }
 
-// pump reads the connection for st's reader, waiting for want bytes, if
-// nobody else reads it (see ctlIn); ok says whether it did, and st may
+// pump reads the connection for st's reader, waiting for want bytes, or
+// fewer but more than it holds now, if nobody else reads it (see ctlIn); ok says whether it did, and st may
 // have changed. If the receive loop reads it, pump asks it to let go
 // (asked); the caller then waits, ctlIn.freed says that the connection is
 // free, and a caller that goes without reading it withdraws the request
@@ -490,6 +490,15 @@ func (st *Stream) pump(want int) (ok, asked bool) {
 		return false, asked
 	}
 	in.taken(s)
+	// A reader that waits for more bytes than it holds (a Peek) stops at
+	// the first new ones, as one that sleeps wakes at each message:
+	// whenReadable then copies what it holds out of the region while that
+	// runs short (spillOwn), since the rest may need those slices. A pump
+	// that waited for all of them would wait for ever once the writer
+	// waits for space.
+	st.mu.Lock()
+	want = min(want, st.buffered+1)
+	st.mu.Unlock()
 	rdl, _ := st.rdl.when()
 	in.kickMu.Lock()
 	in.setDeadlineLocked(s, rdl)
