@@ -163,8 +163,9 @@ type Config struct {
 	// WriteTimeout bounds every write on the control connection (wakeups,
 	// closes, FallbackData, hot restart): a peer that does not read its
 	// end for that long ends the session with a *SessionError whose cause
-	// is a timeout. A stream's own write deadline ends its call sooner
-	// without ending the session. Default 10 s.
+	// is a timeout. A stream's own write deadline, its Close and
+	// OpenStream's context end its call sooner without ending the session.
+	// Default 10 s.
 	WriteTimeout time.Duration
 
 	// QueueFullTimeout is how long a write waits for room in a full IO queue

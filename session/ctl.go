@@ -42,6 +42,14 @@ type ctlWriter struct {
 	// wokeAt is when the last Polling went out (ticker.now).
 	wokeAt atomic.Int64
 
+	// cutMu guards cutFor and cut. cutFor is the stream whose message
+	// sem's holder is writing (writeTimed), nil if none: its Close, its
+	// write deadline and the context of its announcement stop that write
+	// (cutWrite), and cut records that one did.
+	cutMu  sync.Mutex
+	cutFor *Stream
+	cut    bool
+
 	// The state of writeNow's raw write, made once so that a write
 	// allocates nothing; owned by sem's holder.
 	rawBuf  []byte
@@ -126,9 +134,10 @@ func (s *Session) flushPoll() bool {
 	return s.writeNow(s.ctl.pollMsg)
 }
 
-// acquireCtl takes the connection, waiting until cancel is closed
-// (errDeadline) or the session ends (its error).
-func (s *Session) acquireCtl(cancel <-chan struct{}) error {
+// acquireCtl takes the connection, waiting until closed is closed
+// (ErrStreamClosed), cancel is closed (errDeadline) or the session ends
+// (its error).
+func (s *Session) acquireCtl(closed, cancel <-chan struct{}) error {
 	select {
 	case s.ctl.sem <- struct{}{}:
 		return nil
@@ -137,6 +146,8 @@ func (s *Session) acquireCtl(cancel <-chan struct{}) error {
 	select {
 	case s.ctl.sem <- struct{}{}:
 		return nil
+	case <-closed:
+		return ErrStreamClosed
 	case <-cancel:
 		return errDeadline
 	case <-s.dead:
@@ -195,29 +206,34 @@ func (s *Session) writeNow(b []byte) bool {
 // then lets go of the connection. It runs on its own goroutine holding sem.
 func (s *Session) flush(rest net.Buffers) {
 	defer s.ctl.flushers.Done()
-	if _, _, err := s.writeTimed(&rest, time.Time{}); err != nil {
+	if _, _, err := s.writeTimed(&rest, nil, nil, nil); err != nil {
 		s.writeFailed(err)
 	}
 	s.releaseCtl()
 }
 
 // sendCtl writes the message made of bufs on the connection, waiting for
-// it as long as cancel allows, and giving up at dl (zero: none) once its
-// writing has begun: the rest then goes out on a flusher goroutine, from a
-// copy, since bufs may be the caller's (Stream.Write does not retain p),
-// and sendCtl returns nil, since the message will be whole. It returns
-// errDeadline when it wrote nothing by cancel or dl, and the session's
-// error when the session ended or the write failed (which ends it).
-func (s *Session) sendCtl(bufs net.Buffers, cancel <-chan struct{}, dl time.Time) error {
-	if err := s.acquireCtl(cancel); err != nil {
+// it until st (nil: none) is closed or cancel is closed, and stopping its
+// write at those too (writeTimed): the rest then goes out on a flusher
+// goroutine, from a copy, since bufs may be the caller's (Stream.Write
+// does not retain p), and sendCtl returns nil, since the message will be
+// whole. It returns ErrStreamClosed or errDeadline when it wrote nothing
+// before st closed or cancel was closed, and the session's error when the
+// session ended or the write failed (which ends it).
+func (s *Session) sendCtl(bufs net.Buffers, st *Stream, cancel <-chan struct{}) error {
+	var closed <-chan struct{}
+	if st != nil {
+		closed = st.closedCh
+	}
+	if err := s.acquireCtl(closed, cancel); err != nil {
 		return err
 	}
-	n, byDeadline, err := s.writeTimed(&bufs, dl)
+	n, stop, err := s.writeTimed(&bufs, st, closed, cancel)
 	switch {
 	case err == nil:
-	case byDeadline && n == 0:
-		err = errDeadline
-	case byDeadline:
+	case stop != nil && n == 0:
+		err = stop
+	case stop != nil:
 		rest := bytes.Join(bufs, nil) // one message: maxFallbackChunk and its header at most
 		s.ctl.flushers.Add(1)
 		go s.flush(net.Buffers{rest})
@@ -229,30 +245,79 @@ func (s *Session) sendCtl(bufs net.Buffers, cancel <-chan struct{}, dl time.Time
 	return err
 }
 
-// writeTimed writes bufs (consuming them) within WriteTimeout, or by dl
-// if that is sooner and not zero. It returns the bytes written and, for a
-// write stopped by dl, byDeadline. A stop by WriteTimeout is an error
-// that names it. The caller holds sem.
-func (s *Session) writeTimed(bufs *net.Buffers, dl time.Time) (n int64, byDeadline bool, err error) {
-	limit := time.Now().Add(s.ctl.timeout)
-	byDeadline = !dl.IsZero() && dl.Before(limit)
-	if byDeadline {
-		limit = dl
-	}
-	if err := s.ctl.conn.SetWriteDeadline(limit); err != nil {
-		return 0, false, err
+// writeTimed writes bufs (consuming them) within WriteTimeout. A write of
+// st's message (st not nil) stops early once st is closed or cancel is
+// closed: Stream.Close, the write deadline's expiry and the context's end
+// move the connection's write deadline into the past (cutWrite), so a
+// deadline moved earlier while the write blocks counts, and one moved later
+// does too. It returns the bytes written and, for a write stopped that
+// way, stop: ErrStreamClosed or errDeadline. A stop by WriteTimeout is an
+// error that names it. The caller holds sem.
+func (s *Session) writeTimed(bufs *net.Buffers, st *Stream, closed, cancel <-chan struct{}) (n int64, stop, err error) {
+	c := s.ctl
+	if err := c.conn.SetWriteDeadline(time.Now().Add(c.timeout)); err != nil {
+		return 0, nil, err
 	}
 	// writeNow writes without a deadline, and a passed one would fail it.
-	defer s.ctl.conn.SetWriteDeadline(time.Time{})
-	n, err = bufs.WriteTo(s.ctl.conn)
-	if err == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
-		return n, false, err
+	defer c.conn.SetWriteDeadline(time.Time{})
+	if st != nil {
+		c.cutMu.Lock()
+		c.cutFor, c.cut = st, false
+		c.cutMu.Unlock()
+		// A cut that came before cutFor was set found no write to cut, but
+		// it closed its channel first.
+		if stop = stopCause(closed, cancel); stop != nil {
+			c.endCut()
+			return 0, stop, stop
+		}
 	}
-	if byDeadline {
-		return n, true, err
+	n, err = bufs.WriteTo(c.conn)
+	cut := st != nil && c.endCut()
+	if err == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
+		return n, nil, err
+	}
+	if cut {
+		return n, stopCause(closed, cancel), err
 	}
 	// Not wrapped: the session's end must not read as a caller's deadline.
-	return n, false, fmt.Errorf("the peer took no control message for %v (Config.WriteTimeout): %v", s.ctl.timeout, err)
+	return n, nil, fmt.Errorf("the peer took no control message for %v (Config.WriteTimeout): %v", c.timeout, err)
+}
+
+// stopCause returns ErrStreamClosed if closed is closed, else errDeadline
+// if cancel is, else nil.
+func stopCause(closed, cancel <-chan struct{}) error {
+	switch {
+	case isClosedChan(closed):
+		return ErrStreamClosed
+	case isClosedChan(cancel):
+		return errDeadline
+	}
+	return nil
+}
+
+// endCut ends writeTimed's exposure to cutWrite and reports whether a cut
+// came. The caller holds sem.
+func (c *ctlWriter) endCut() bool {
+	c.cutMu.Lock()
+	cut := c.cut
+	c.cutFor, c.cut = nil, false
+	c.cutMu.Unlock()
+	return cut
+}
+
+// cutWrite stops the write of st's message on the connection, if one is
+// under way (writeTimed): st was closed, or its write deadline or the
+// context of its announcement passed, after the channel that says so was
+// closed. The write returns what it wrote by then; the rest goes out on a
+// flusher.
+func (s *Session) cutWrite(st *Stream) {
+	c := s.ctl
+	c.cutMu.Lock()
+	if c.cutFor == st {
+		c.cut = true
+		c.conn.SetWriteDeadline(time.Unix(1, 0))
+	}
+	c.cutMu.Unlock()
 }
 
 // writeFailed deals with a failed write on the control connection and
@@ -278,5 +343,5 @@ func (s *Session) writeFailed(err error) error {
 // writeCtl writes one whole control message within WriteTimeout; a
 // failure ends the session and returns its error.
 func (s *Session) writeCtl(msg []byte) error {
-	return s.sendCtl(net.Buffers{msg}, nil, time.Time{})
+	return s.sendCtl(net.Buffers{msg}, nil, nil)
 }

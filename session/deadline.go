@@ -21,6 +21,10 @@ type deadline struct {
 	// cancel is closed: a reader that sleeps on its stream's readCh alone
 	// wakes for the deadline too (Stream.waitForData).
 	notify chan struct{}
+	// onExpire, if not nil, is called after cancel is closed: a write
+	// deadline cuts its stream's write on the control connection short
+	// (Session.cutWrite).
+	onExpire func()
 }
 
 // init readies d, without a deadline set; notify, if not nil, is
@@ -40,11 +44,14 @@ func (d *deadline) newCancel() {
 }
 
 // expire closes cancel, the channel of a deadline that passed, then
-// signals notify.
+// signals notify and calls onExpire.
 func (d *deadline) expire(cancel chan struct{}) {
 	close(cancel)
 	if d.notify != nil {
 		signal(d.notify)
+	}
+	if d.onExpire != nil {
+		d.onExpire()
 	}
 }
 

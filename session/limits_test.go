@@ -165,7 +165,7 @@ func TestFallbackDataLimit(t *testing.T) {
 	data := make([]byte, 32<<10)
 	for i := 0; ; i++ {
 		require.Less(t, i, 100, "the server took 3 MiB for a stream nobody reads")
-		if client.writeFallback(c.ID(), data, false, nil) != nil {
+		if client.writeFallback(c, data, false, nil) != nil {
 			break // the server ended the session
 		}
 		if isClosedChan(server.dead) {

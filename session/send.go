@@ -1,6 +1,7 @@
 package session
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -122,7 +123,7 @@ func (st *Stream) writeSome(p []byte) (int, error) {
 		st.viaSocket = true
 	}
 	k := min(len(p), maxFallbackChunk)
-	if err := s.writeFallback(st.id, p[:k], st.queued, &st.wdl); err != nil {
+	if err := s.writeFallback(st, p[:k], st.queued, st.wdl.wait()); err != nil {
 		return 0, err
 	}
 	st.queued = false
@@ -397,7 +398,7 @@ func (st *Stream) flushLocked() error {
 	for len(st.pending) > 0 {
 		st.viaSocket = true
 		k := min(len(st.pending), maxFallbackChunk)
-		if err := s.writeFallback(st.id, st.pending[:k], st.queued, &st.wdl); err != nil {
+		if err := s.writeFallback(st, st.pending[:k], st.queued, st.wdl.wait()); err != nil {
 			return err // nothing sent: the Polling is still owed
 		}
 		st.queued = false
@@ -429,7 +430,13 @@ func (s *Session) announce(ctx context.Context, st *Stream) error {
 		off, err := m.region.Alloc(0)
 		if errors.Is(err, buffer.ErrNoSpace) {
 			st.viaSocket = true
-			return s.writeFallback(st.id, nil, false, nil)
+			stop := context.AfterFunc(ctx, func() { s.cutWrite(st) })
+			defer stop()
+			err := s.writeFallback(st, nil, false, ctx.Done())
+			if err == errDeadline {
+				return ctx.Err()
+			}
+			return err
 		}
 		if err == nil {
 			err = m.region.SetPayload(off, 0)
@@ -576,36 +583,53 @@ func (s *Session) sendCloseLocked(m *memory, id uint32, viaSocket bool, status u
 // sendStreamClose sends the close of stream id as a StreamClose message,
 // and reports true. A Polling goes first: the peer may handle StreamClose
 // without harvesting its receive queue (the Rust crate does), and events
-// of this stream may still be in it.
+// of this stream may still be in it. It does not wait for the connection:
+// what cannot go at once goes out on a goroutine that Session.Close
+// waits for.
 func (s *Session) sendStreamClose(id uint32) bool {
 	var msg [24]byte
 	b := append(msg[:0], s.ctl.pollMsg...)
 	b = wire.AppendStreamClose(b, s.version, id)
 	s.ctr.wakeupsSent.Add(1)
-	s.writeCtl(b) // an error ends the session
+	select {
+	case s.ctl.sem <- struct{}{}:
+		if s.writeNow(b) { // an error ends the session
+			s.releaseCtl()
+		}
+	default:
+		// Another writer holds the connection, for as long as
+		// WriteTimeout if the peer stopped reading it: like a socket's
+		// close, ours does not wait. The close goes out in its turn, after
+		// the stream's data (the last of which a flusher holding the
+		// connection may still be writing), and the id is not reused
+		// (Session.reuseID).
+		b = bytes.Clone(b)
+		s.ctl.flushers.Add(1)
+		go func() {
+			defer s.ctl.flushers.Done()
+			s.writeCtl(b) // an error ends the session
+		}()
+	}
 	return true
 }
 
-// writeFallback sends data for stream id as one FallbackData message
-// (docs/protocol.md section 1.2), after a Polling if poll is set, waiting
-// for the connection until the write deadline wdl passes (errDeadline,
-// nothing sent). A stream sets poll on its first FallbackData after
-// events: a peer may handle FallbackData without harvesting its receive
-// queue first (the Rust crate does), so the Polling makes it harvest the
-// stream's earlier events before it reads these bytes.
-func (s *Session) writeFallback(id uint32, data []byte, poll bool, wdl *deadline) error {
+// writeFallback sends data for st as one FallbackData message
+// (docs/protocol.md section 1.2), after a Polling if poll is set. It waits
+// for the connection, and writes, until st is closed (ErrStreamClosed) or
+// cancel is closed (errDeadline); when that comes in the middle of the
+// message, the rest goes out after it returns nil (Session.sendCtl). A
+// stream sets poll on its first FallbackData after events: a peer may
+// handle FallbackData without harvesting its receive queue first (the Rust
+// crate does), so the Polling makes it harvest the stream's earlier events
+// before it reads these bytes.
+func (s *Session) writeFallback(st *Stream, data []byte, poll bool, cancel <-chan struct{}) error {
 	var hdr [24]byte
 	b := hdr[:0]
 	if poll {
 		b = append(b, s.ctl.pollMsg...)
 	}
-	b = wire.AppendFallbackHeader(b, s.version, id, stateOpen, len(data))
-	var dl time.Time
-	var cancel <-chan struct{}
-	if wdl != nil {
-		dl, cancel = wdl.when()
-	}
-	if err := s.sendCtl(net.Buffers{b, data}, cancel, dl); err != nil {
+	b = wire.AppendFallbackHeader(b, s.version, st.id, stateOpen, len(data))
+	if err := s.sendCtl(net.Buffers{b, data}, st, cancel); err != nil {
 		return err
 	}
 	if poll {

@@ -96,6 +96,7 @@ func newStream(s *Session, id uint32) *Stream {
 	}
 	st.rdl.init(st.readCh)
 	st.wdl.init(nil)
+	st.wdl.onExpire = func() { s.cutWrite(st) }
 	return st
 }
 
@@ -273,8 +274,12 @@ func (st *Stream) notifyRead() {
 // sent, blocked calls on this stream return ErrStreamClosed, bytes not yet
 // read are dropped (their slices recycled), and reserved bytes not yet
 // flushed are discarded. Zero-copy results become invalid. After
-// CloseWrite, Close sends nothing more. Close returns nil, and
-// ErrStreamClosed when called again, like a net.Conn.
+// CloseWrite, Close sends nothing more. Close does not wait for a peer
+// that stops reading: a Write blocked on the control connection returns
+// (what it began of a message is finished in the background), and when
+// the connection is held the close goes out in its turn on a goroutine
+// that Session.Close waits for. Close returns nil, and ErrStreamClosed
+// when called again, like a net.Conn.
 //
 // The stream id is reused by a later OpenStream once both sides have
 // closed the stream; the stream itself must not be used after Close.
@@ -294,6 +299,7 @@ func (st *Stream) Close() error {
 	st.rdl.stop()
 	st.wdl.stop()
 	st.s.rx.in.kick(st.s, st)
+	st.s.cutWrite(st) // a Write blocked on the control connection returns
 	var viaSocket bool
 	if inSrcRead {
 		viaSocket = st.viaSocket

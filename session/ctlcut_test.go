@@ -1,0 +1,234 @@
+package session
+
+import (
+	"context"
+	"encoding/binary"
+	"io"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/shmlink/shmlink/internal/wire"
+)
+
+// The tests here play a client that stops reading its control connection
+// (docs/protocol.md section 13). A write of ours that falls back to the
+// socket then waits for the connection, held by another stream's blocked
+// write, or blocks in its own write: its stream's Close, its write
+// deadline (also one set meanwhile) and OpenStream's context must end that
+// wait, as they end a socket's, and not Config.WriteTimeout, set to a
+// minute here. What was written of a message is completed, so the peer
+// still reads whole messages, each stream's close after its data.
+
+// ctlLog reads the client's end of the connection from the moment it is
+// started, as the peer would, and records each stream's FallbackData bytes
+// and whether its StreamClose came, and after what.
+type ctlLog struct {
+	conn   net.Conn
+	bytes  map[uint32]int
+	closed map[uint32]bool
+	late   map[uint32]bool   // FallbackData after the stream's StreamClose
+	last   map[uint32]string // the stream's last FallbackData bytes, if under 16
+	done   chan error
+}
+
+// startCtlLog reads cc on a goroutine until stop returns true for a
+// message just read, or the connection fails.
+func startCtlLog(cc net.Conn, stop func(l *ctlLog) bool) *ctlLog {
+	l := &ctlLog{conn: cc, bytes: map[uint32]int{}, closed: map[uint32]bool{},
+		late: map[uint32]bool{}, last: map[uint32]string{}, done: make(chan error, 1)}
+	go func() {
+		for {
+			h, payload, err := readCtlMsg(cc)
+			if err != nil {
+				l.done <- err
+				return
+			}
+			switch h.Type {
+			case wire.TypeFallbackData:
+				id, _, data, err := wire.ParseFallback(payload)
+				if err != nil {
+					l.done <- err
+					return
+				}
+				l.bytes[id] += len(data)
+				l.late[id] = l.late[id] || l.closed[id]
+				l.last[id] = ""
+				if len(data) < 16 {
+					l.last[id] = string(data)
+				}
+			case wire.TypeStreamClose:
+				l.closed[binary.BigEndian.Uint32(payload)] = true
+			}
+			if stop(l) {
+				l.done <- nil
+				return
+			}
+		}
+	}()
+	return l
+}
+
+// blockedWrite starts a write of n bytes on st and waits until some write
+// blocks in the socket, which the client does not read: st's, or one of
+// another stream that holds the connection.
+func blockedWrite(t *testing.T, st *Stream, n int) <-chan error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() {
+		_, err := st.Write(make([]byte, n))
+		done <- err
+	}()
+	waitFor(t, "a write blocks in the socket", func() bool { return goroutineWaits("(*Session).writeTimed", "IO wait") })
+	return done
+}
+
+func TestCloseEndsSocketWrite(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		waiting bool // b waits for the connection behind a, else b writes
+	}{
+		{"waiting", true},
+		{"writing", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			mem, server, cc := rawClientConn(t,
+				&Config{BufferSize: 64 << 10, SizeClasses: tinyConfig().SizeClasses},
+				&Config{Fallback: true, WriteTimeout: time.Minute})
+			write := func(b []byte) error { _, err := cc.Write(b); return err }
+			announceRaw(t, mem, 2, write)
+			a := accept(t, server)
+			announceRaw(t, mem, 3, write)
+			b := accept(t, server)
+
+			var aDone, bDone <-chan error
+			if tc.waiting {
+				aDone = blockedWrite(t, a, 8<<20)
+				done := make(chan error, 1)
+				go func() { _, err := b.Write(make([]byte, 1<<20)); done <- err }()
+				bDone = done
+				waitFor(t, "b waits for the connection", func() bool { return goroutineWaits("(*Session).acquireCtl", "select") })
+			} else {
+				bDone = blockedWrite(t, b, 8<<20)
+			}
+			closed := make(chan error, 1)
+			go func() { closed <- b.Close() }()
+			require.NoError(t, result(t, closed), "Close waits for the peer to read")
+			require.ErrorIs(t, result(t, bDone), ErrStreamClosed)
+
+			// The peer reads again: everything arrives whole, b's close
+			// after b's data.
+			l := startCtlLog(cc, func(l *ctlLog) bool { return l.closed[3] && (!tc.waiting || l.bytes[2] > 0) })
+			require.NoError(t, result(t, l.done))
+			require.False(t, l.late[3], "b's data came after its close")
+			go io.Copy(io.Discard, cc)
+			if aDone != nil {
+				require.NoError(t, result(t, aDone))
+			}
+			require.NoError(t, server.Err())
+		})
+	}
+}
+
+// A write deadline set while the write blocks in the socket ends it then.
+func TestWriteDeadlineSetDuringSocketWrite(t *testing.T) {
+	mem, server, cc := rawClientConn(t,
+		&Config{BufferSize: 64 << 10, SizeClasses: tinyConfig().SizeClasses},
+		&Config{Fallback: true, WriteTimeout: time.Minute})
+	write := func(b []byte) error { _, err := cc.Write(b); return err }
+	announceRaw(t, mem, 2, write)
+	a := accept(t, server)
+	var n int
+	done := make(chan error, 1)
+	go func() {
+		var err error
+		n, err = a.Write(make([]byte, 8<<20))
+		done <- err
+	}()
+	waitFor(t, "a write blocks in the socket", func() bool { return goroutineWaits("(*Session).writeTimed", "IO wait") })
+	require.NoError(t, a.SetWriteDeadline(time.Now()))
+	require.ErrorIs(t, result(t, done), os.ErrDeadlineExceeded)
+	require.NoError(t, server.Err(), "a caller's deadline does not end the session")
+
+	// The rest of the message cut short still goes out, then a's next
+	// one: the peer reads whole messages.
+	require.NoError(t, a.SetWriteDeadline(time.Time{}))
+	l := startCtlLog(cc, func(l *ctlLog) bool { return l.last[2] == "!" })
+	_, err := a.Write([]byte("!"))
+	require.NoError(t, err)
+	require.NoError(t, result(t, l.done))
+	require.LessOrEqual(t, l.bytes[2], n+1, "the peer got bytes that Write did not count")
+	require.NoError(t, server.Err())
+}
+
+// OpenStream's context ends its announcement when that goes as
+// FallbackData (no slice is free) and waits for the connection or blocks
+// in the socket, which the server does not read.
+func TestOpenStreamContextEndsSocketWrite(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		state string // where the announcement waits
+		fn    string
+	}{
+		{"waiting", "select", "(*Session).acquireCtl"},
+		{"writing", "IO wait", "(*Session).writeTimed"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cc, sc := socketPair(t)
+			handshaken := make(chan error, 1)
+			var smem *memory
+			go func() {
+				cfg := (&Config{}).withDefaults()
+				var err error
+				smem, _, err = serverHandshakeMarking(sc, &cfg, true) // and then never reads sc
+				handshaken <- err
+			}()
+			client, err := Client(cc, tinyConfig())
+			require.NoError(t, err)
+			require.NoError(t, <-handshaken)
+			t.Cleanup(func() { client.Close(); sc.Close(); smem.release() })
+
+			// No slice is free, and another writer holds the connection.
+			client.shm.mu.RLock()
+			region := client.shm.mem.region
+			for {
+				if _, err := region.Alloc(0); err != nil {
+					break
+				}
+			}
+			client.shm.mu.RUnlock()
+			client.ctl.sem <- struct{}{}
+			if tc.state == "IO wait" {
+				// It fills the socket and lets go: past a large write, the
+				// socket may still take a small one.
+				for _, n := range []int{16 << 20, 1} {
+					require.NoError(t, cc.SetWriteDeadline(time.Now().Add(20*time.Millisecond)))
+					for err == nil {
+						_, err = cc.Write(make([]byte, n))
+					}
+					require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+					err = nil
+				}
+				require.NoError(t, cc.SetWriteDeadline(time.Time{}))
+				<-client.ctl.sem
+			}
+
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() {
+				_, err := client.OpenStream(ctx)
+				done <- err
+			}()
+			waitFor(t, "the announcement waits", func() bool { return goroutineWaits(tc.fn, tc.state) })
+			cancel()
+			require.ErrorIs(t, result(t, done), context.Canceled)
+			require.NoError(t, client.Err(), "a caller's context does not end the session")
+			if tc.state == "select" {
+				<-client.ctl.sem
+			}
+		})
+	}
+}
