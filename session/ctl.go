@@ -50,6 +50,13 @@ type ctlWriter struct {
 	cutFor *Stream
 	cut    bool
 
+	// closesMu guards closes and closing: the ids of streams whose
+	// StreamClose is owed to the closer goroutine (Session.owedClose), and
+	// whether that goroutine runs.
+	closesMu sync.Mutex
+	closes   []uint32
+	closing  bool
+
 	// The state of writeNow's raw write, made once so that a write
 	// allocates nothing; owned by sem's holder.
 	rawBuf  []byte

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"testing"
 	"time"
 
@@ -230,5 +231,34 @@ func TestOpenStreamContextEndsSocketWrite(t *testing.T) {
 				<-client.ctl.sem
 			}
 		})
+	}
+}
+
+// Closes that find the connection held (here by the test, as by another
+// stream's write that the peer does not take) do not wait, and cost one
+// closer goroutine between them, not one each; they reach the peer once
+// the connection is free.
+func TestClosesOwedWhileConnectionHeld(t *testing.T) {
+	client, server := pair(t, nil)
+	const n = 200
+	var cs, ss []*Stream
+	for range n {
+		c, s := streamPair(t, client, server)
+		cs, ss = append(cs, c), append(ss, s)
+		s.wmu.Lock()
+		s.viaSocket = true // as after FallbackData: its close goes as StreamClose
+		s.wmu.Unlock()
+	}
+	server.ctl.sem <- struct{}{}
+	before := runtime.NumGoroutine()
+	for _, s := range ss {
+		require.NoError(t, s.Close())
+	}
+	require.Less(t, runtime.NumGoroutine()-before, 10, "a goroutine per close")
+	server.releaseCtl()
+	for _, c := range cs {
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+		_, err := c.Read(make([]byte, 1))
+		require.ErrorIs(t, err, io.EOF, "stream %d", c.ID())
 	}
 }

@@ -355,7 +355,7 @@ func (s *Session) route(m *memory, ev queue.Event) (*Stream, error) {
 			"remote", s.conn.RemoteAddr(), "stream", id, "backlog", backlog, "streams", streams,
 			"refused_total", s.ctr.streamsRefused.Load())
 	}
-	s.sendCloseLocked(m, id, false, s.refusalStatus())
+	s.sendCloseLocked(m, id, false, s.refusalStatus(), true)
 	return nil, freeChain(m, ev.Offset)
 }
 

@@ -1,7 +1,6 @@
 package session
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -558,13 +557,15 @@ func (s *Session) putLocked(m *memory, ev queue.Event) error {
 // {id, 0, status}, status being 1 and maybe a reason (docs/protocol.md
 // section 11), or a StreamClose message when the queue is full or
 // viaSocket is set (the stream's earlier data went over the socket, which
-// the event could overtake); a StreamClose carries no reason. It reports
-// whether the close went over the socket (or could not be sent). Errors
-// end the session and are not returned: a close that cannot be sent means
-// the session is gone anyway. The caller holds shm.mu's read lock.
-func (s *Session) sendCloseLocked(m *memory, id uint32, viaSocket bool, status uint32) (onSocket bool) {
+// the event could overtake); a StreamClose carries no reason. With wait
+// unset, a StreamClose does not wait for the connection (sendStreamClose).
+// It reports whether the close went over the socket (or could not be
+// sent). Errors end the session and are not returned: a close that cannot
+// be sent means the session is gone anyway. The caller holds shm.mu's read
+// lock.
+func (s *Session) sendCloseLocked(m *memory, id uint32, viaSocket bool, status uint32, wait bool) (onSocket bool) {
 	if viaSocket {
-		return s.sendStreamClose(id)
+		return s.sendStreamClose(id, wait)
 	}
 	full, err := s.put(m, queue.Event{StreamID: id, Status: status})
 	if err != nil {
@@ -577,40 +578,84 @@ func (s *Session) sendCloseLocked(m *memory, id uint32, viaSocket bool, status u
 		return false
 	}
 	s.ctr.queueFull.Add(1)
-	return s.sendStreamClose(id)
+	return s.sendStreamClose(id, wait)
 }
 
 // sendStreamClose sends the close of stream id as a StreamClose message,
 // and reports true. A Polling goes first: the peer may handle StreamClose
 // without harvesting its receive queue (the Rust crate does), and events
-// of this stream may still be in it. It does not wait for the connection:
-// what cannot go at once goes out on a goroutine that Session.Close
-// waits for.
-func (s *Session) sendStreamClose(id uint32) bool {
+// of this stream may still be in it.
+//
+// With wait set it waits for the connection, as the receive loop's
+// refusals do: a peer that floods us with streams and stops reading is
+// held back by it. Without, as a stream's Close, it does not: another
+// writer may hold the connection for as long as WriteTimeout if the peer
+// stopped reading it, and a socket's close does not wait either. The
+// close is then owed (owedClose) and goes out in its turn, after the
+// stream's data (the last of which a flusher holding the connection may
+// still be writing); the id is not reused (Session.reuseID), so nothing
+// can overtake it.
+func (s *Session) sendStreamClose(id uint32, wait bool) bool {
 	var msg [24]byte
 	b := append(msg[:0], s.ctl.pollMsg...)
 	b = wire.AppendStreamClose(b, s.version, id)
-	s.ctr.wakeupsSent.Add(1)
+	if wait {
+		s.ctr.wakeupsSent.Add(1)
+		s.writeCtl(b) // an error ends the session
+		return true
+	}
 	select {
 	case s.ctl.sem <- struct{}{}:
+		s.ctr.wakeupsSent.Add(1)
 		if s.writeNow(b) { // an error ends the session
 			s.releaseCtl()
 		}
 	default:
-		// Another writer holds the connection, for as long as
-		// WriteTimeout if the peer stopped reading it: like a socket's
-		// close, ours does not wait. The close goes out in its turn, after
-		// the stream's data (the last of which a flusher holding the
-		// connection may still be writing), and the id is not reused
-		// (Session.reuseID).
-		b = bytes.Clone(b)
-		s.ctl.flushers.Add(1)
-		go func() {
-			defer s.ctl.flushers.Done()
-			s.writeCtl(b) // an error ends the session
-		}()
+		s.owedClose(id)
 	}
 	return true
+}
+
+// owedClose leaves the StreamClose of stream id to the closer goroutine,
+// starting it if it does not run: one goroutine, and 4 bytes per close
+// owed, however many streams close while the connection is held.
+func (s *Session) owedClose(id uint32) {
+	c := s.ctl
+	c.closesMu.Lock()
+	defer c.closesMu.Unlock()
+	c.closes = append(c.closes, id)
+	if !c.closing {
+		c.closing = true
+		c.flushers.Add(1)
+		go s.writeOwedCloses()
+	}
+}
+
+// writeOwedCloses is the closer goroutine: it writes the StreamCloses
+// owed, behind one Polling, each time it gets the connection, until none
+// is owed. Session.Close waits for it; once the session has ended, the
+// closes owed are dropped.
+func (s *Session) writeOwedCloses() {
+	c := s.ctl
+	defer c.flushers.Done()
+	var ids []uint32
+	var msg []byte
+	for {
+		c.closesMu.Lock()
+		ids, c.closes = c.closes, ids[:0]
+		if len(ids) == 0 {
+			c.closing = false
+			c.closesMu.Unlock()
+			return
+		}
+		c.closesMu.Unlock()
+		msg = append(msg[:0], c.pollMsg...)
+		for _, id := range ids {
+			msg = wire.AppendStreamClose(msg, s.version, id)
+		}
+		s.ctr.wakeupsSent.Add(1)
+		s.writeCtl(msg) // an error ends the session: the next ones fail at once
+	}
 }
 
 // writeFallback sends data for st as one FallbackData message

@@ -277,8 +277,8 @@ func (st *Stream) notifyRead() {
 // CloseWrite, Close sends nothing more. Close does not wait for a peer
 // that stops reading: a Write blocked on the control connection returns
 // (what it began of a message is finished in the background), and when
-// the connection is held the close goes out in its turn on a goroutine
-// that Session.Close waits for. Close returns nil, and ErrStreamClosed
+// the connection is held the close goes out in its turn on the session's
+// closer goroutine, which Session.Close waits for. Close returns nil, and ErrStreamClosed
 // when called again, like a net.Conn.
 //
 // The stream id is reused by a later OpenStream once both sides have
@@ -407,7 +407,7 @@ func (st *Stream) sendClose(viaSocket bool) {
 	onSocket := true
 	s.withMem(func(m *memory) error {
 		if s.Err() == nil {
-			onSocket = s.sendCloseLocked(m, st.id, viaSocket, status)
+			onSocket = s.sendCloseLocked(m, st.id, viaSocket, status, false)
 		}
 		return nil
 	})
