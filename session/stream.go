@@ -278,8 +278,8 @@ func (st *Stream) notifyRead() {
 // that stops reading: a Write blocked on the control connection returns
 // (what it began of a message is finished in the background), and when
 // the connection is held the close goes out in its turn on the session's
-// closer goroutine, which Session.Close waits for. Close returns nil, and ErrStreamClosed
-// when called again, like a net.Conn.
+// closer goroutine, which Session.Close waits for. Close returns nil, and
+// ErrStreamClosed when called again, like a net.Conn.
 //
 // The stream id is reused by a later OpenStream once both sides have
 // closed the stream; the stream itself must not be used after Close.
