@@ -10,6 +10,7 @@ import (
 
 	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/shmlink/shmlink/queue"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 )
 
@@ -351,15 +352,27 @@ func TestPumpLetGoSeesLaterReader(t *testing.T) {
 					return
 				}
 				done2 = readAsync(c2, got)
-				waitFor(t, "the second reader sleeps", func() bool {
+				// Not require: a FailNow here, on c1's reader, would
+				// leave the connection held for ever, and the test's
+				// cleanup with it.
+				assert.Eventually(t, func() bool {
 					if !goroutineWaits("(*Stream).waitForData", tc.state) {
 						return false
 					}
 					// The loop that c2 woke (needReader) tried, and
 					// failed, to take the connection.
 					return tc.poll < 0 || (len(in.bgWake) == 0 && goroutineWaits("(*Session).recvLoop", "select"))
-				})
+				}, 10*time.Second, 100*time.Microsecond, "the second reader sleeps")
 			}
+			// The receive loop has started and read the connection: c1's
+			// pump below then takes it from the loop, which waits for
+			// bgWake (on a busy host the loop may start late, and would
+			// wait for the connection in tok.Lock instead).
+			waitFor(t, "the receive loop reads the connection", func() bool {
+				in.kickMu.Lock()
+				defer in.kickMu.Unlock()
+				return in.loopHas
+			})
 			done1 := readAsync(c1, make([]byte, 1))
 			waitPumping(t, c1)
 			_, err := s1.Write([]byte{'a'})
