@@ -73,6 +73,23 @@ func startCtlLog(cc net.Conn, stop func(l *ctlLog) bool) *ctlLog {
 	return l
 }
 
+// silentClient starts a server with Fallback on, against a raw client
+// with a 64 KiB region of 4 KiB slices that it never frees, and opens n
+// streams, whose server ends it returns; cc is the client's socket, which
+// nobody reads until the test does.
+func silentClient(t *testing.T, n int) (server *Session, cc net.Conn, sts []*Stream) {
+	t.Helper()
+	mem, server, cc := rawClientConn(t,
+		&Config{BufferSize: 64 << 10, SizeClasses: tinyConfig().SizeClasses},
+		&Config{Fallback: true, WriteTimeout: time.Minute})
+	write := func(b []byte) error { _, err := cc.Write(b); return err }
+	for i := range n {
+		announceRaw(t, mem, uint32(2+i), write)
+		sts = append(sts, accept(t, server))
+	}
+	return server, cc, sts
+}
+
 // blockedWrite starts a write of n bytes on st and waits until some write
 // blocks in the socket, which the client does not read: st's, or one of
 // another stream that holds the connection.
@@ -96,14 +113,8 @@ func TestCloseEndsSocketWrite(t *testing.T) {
 		{"writing", false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			mem, server, cc := rawClientConn(t,
-				&Config{BufferSize: 64 << 10, SizeClasses: tinyConfig().SizeClasses},
-				&Config{Fallback: true, WriteTimeout: time.Minute})
-			write := func(b []byte) error { _, err := cc.Write(b); return err }
-			announceRaw(t, mem, 2, write)
-			a := accept(t, server)
-			announceRaw(t, mem, 3, write)
-			b := accept(t, server)
+			server, cc, sts := silentClient(t, 2)
+			a, b := sts[0], sts[1]
 
 			var aDone, bDone <-chan error
 			if tc.waiting {
@@ -136,12 +147,8 @@ func TestCloseEndsSocketWrite(t *testing.T) {
 
 // A write deadline set while the write blocks in the socket ends it then.
 func TestWriteDeadlineSetDuringSocketWrite(t *testing.T) {
-	mem, server, cc := rawClientConn(t,
-		&Config{BufferSize: 64 << 10, SizeClasses: tinyConfig().SizeClasses},
-		&Config{Fallback: true, WriteTimeout: time.Minute})
-	write := func(b []byte) error { _, err := cc.Write(b); return err }
-	announceRaw(t, mem, 2, write)
-	a := accept(t, server)
+	server, cc, sts := silentClient(t, 1)
+	a := sts[0]
 	var n int
 	done := make(chan error, 1)
 	go func() {
