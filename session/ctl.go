@@ -213,7 +213,7 @@ func (s *Session) writeNow(b []byte) bool {
 // then lets go of the connection. It runs on its own goroutine holding sem.
 func (s *Session) flush(rest net.Buffers) {
 	defer s.ctl.flushers.Done()
-	if _, _, err := s.writeTimed(&rest, nil, nil, nil); err != nil {
+	if _, _, err := s.writeTimed(&rest, nil, nil); err != nil {
 		s.writeFailed(err)
 	}
 	s.releaseCtl()
@@ -228,14 +228,10 @@ func (s *Session) flush(rest net.Buffers) {
 // before st closed or cancel was closed, and the session's error when the
 // session ended or the write failed (which ends it).
 func (s *Session) sendCtl(bufs net.Buffers, st *Stream, cancel <-chan struct{}) error {
-	var closed <-chan struct{}
-	if st != nil {
-		closed = st.closedCh
-	}
-	if err := s.acquireCtl(closed, cancel); err != nil {
+	if err := s.acquireCtl(closedOf(st), cancel); err != nil {
 		return err
 	}
-	n, stop, err := s.writeTimed(&bufs, st, closed, cancel)
+	n, stop, err := s.writeTimed(&bufs, st, cancel)
 	switch {
 	case err == nil:
 	case stop != nil && n == 0:
@@ -260,8 +256,9 @@ func (s *Session) sendCtl(bufs net.Buffers, st *Stream, cancel <-chan struct{}) 
 // does too. It returns the bytes written and, for a write stopped that
 // way, stop: ErrStreamClosed or errDeadline. A stop by WriteTimeout is an
 // error that names it. The caller holds sem.
-func (s *Session) writeTimed(bufs *net.Buffers, st *Stream, closed, cancel <-chan struct{}) (n int64, stop, err error) {
+func (s *Session) writeTimed(bufs *net.Buffers, st *Stream, cancel <-chan struct{}) (n int64, stop, err error) {
 	c := s.ctl
+	closed := closedOf(st)
 	if err := c.conn.SetWriteDeadline(time.Now().Add(c.timeout)); err != nil {
 		return 0, nil, err
 	}
@@ -288,6 +285,15 @@ func (s *Session) writeTimed(bufs *net.Buffers, st *Stream, closed, cancel <-cha
 	}
 	// Not wrapped: the session's end must not read as a caller's deadline.
 	return n, nil, fmt.Errorf("the peer took no control message for %v (Config.WriteTimeout): %v", c.timeout, err)
+}
+
+// closedOf returns st's channel that is closed when st is, or nil (never
+// ready) if st is nil.
+func closedOf(st *Stream) <-chan struct{} {
+	if st == nil {
+		return nil
+	}
+	return st.closedCh
 }
 
 // stopCause returns ErrStreamClosed if closed is closed, else errDeadline
