@@ -21,19 +21,19 @@ import (
 // server process, the CPU time of a process, a process that keeps every
 // core busy, and the percentiles of round-trip times.
 
-// CPUTime returns the CPU time the threads of process pid have used so
-// far, in nanoseconds of run time as the scheduler counts it (the first
-// field of /proc/<pid>/task/<tid>/schedstat, summed over the threads):
-// unlike /proc/<pid>/stat, whose clock ticks are 10 ms, it resolves one
-// round trip. Threads that already exited are not counted (a Go process
-// keeps its threads). It returns an error when /proc cannot be read.
-func CPUTime(pid int) (time.Duration, error) {
+// threadTimes returns the run time of each live thread of process pid so
+// far, by thread id, in nanoseconds as the scheduler counts it (the first
+// field of /proc/<pid>/task/<tid>/schedstat): unlike /proc/<pid>/stat,
+// whose clock ticks are 10 ms, it resolves one round trip. A thread that
+// already exited is not listed. It returns an error when /proc cannot be
+// read.
+func threadTimes(pid int) (map[string]time.Duration, error) {
 	dir := fmt.Sprintf("/proc/%d/task", pid)
 	tasks, err := os.ReadDir(dir)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	var sum time.Duration
+	ts := make(map[string]time.Duration, len(tasks))
 	for _, t := range tasks {
 		b, err := os.ReadFile(dir + "/" + t.Name() + "/schedstat")
 		if err != nil {
@@ -42,18 +42,18 @@ func CPUTime(pid int) (time.Duration, error) {
 		f, _, _ := bytes.Cut(b, []byte{' '})
 		ns, err := strconv.ParseInt(string(f), 10, 64)
 		if err != nil {
-			return 0, fmt.Errorf("%s/%s/schedstat: %q: %w", dir, t.Name(), b, err)
+			return nil, fmt.Errorf("%s/%s/schedstat: %q: %w", dir, t.Name(), b, err)
 		}
-		sum += time.Duration(ns)
+		ts[t.Name()] = time.Duration(ns)
 	}
-	return sum, nil
+	return ts, nil
 }
 
 // A CPUMeter measures the CPU time a set of processes uses between its
 // Start and Stop.
 type CPUMeter struct {
 	pids []int
-	at   []time.Duration // per process, at Start
+	at   []map[string]time.Duration // per process, each thread's run time at Start
 	// dist is the CPUs' distance (CPUDistance) when the meter was made; 0
 	// if not measured.
 	dist time.Duration
@@ -92,15 +92,15 @@ func placement() time.Duration {
 	return d
 }
 
-// times returns the CPU time of each process so far.
-func (m *CPUMeter) times(tb testing.TB) []time.Duration {
-	ts := make([]time.Duration, len(m.pids))
+// times returns the run time of each thread of each process so far.
+func (m *CPUMeter) times(tb testing.TB) []map[string]time.Duration {
+	ts := make([]map[string]time.Duration, len(m.pids))
 	for i, pid := range m.pids {
-		d, err := CPUTime(pid)
+		t, err := threadTimes(pid)
 		if err != nil {
 			tb.Fatal(err)
 		}
-		ts[i] = d
+		ts[i] = t
 	}
 	return ts
 }
@@ -108,11 +108,17 @@ func (m *CPUMeter) times(tb testing.TB) []time.Duration {
 // Start records the processes' CPU time now.
 func (m *CPUMeter) Start(tb testing.TB) { m.at = m.times(tb) }
 
-// since returns the CPU time each process used since Start.
+// since returns the CPU time each process used since Start: the run time
+// each of its live threads added since then (all of it for a thread
+// started since). A thread that exited since Start counts nothing, rather
+// than take its time at Start off the sum (which made "cpu-us/op"
+// negative): its run time after Start is lost, a slight undercount.
 func (m *CPUMeter) since(tb testing.TB) []time.Duration {
-	ts := m.times(tb)
-	for i := range ts {
-		ts[i] -= m.at[i]
+	ts := make([]time.Duration, len(m.pids))
+	for i, now := range m.times(tb) {
+		for tid, d := range now {
+			ts[i] += d - m.at[i][tid]
+		}
 	}
 	return ts
 }
