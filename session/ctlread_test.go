@@ -35,7 +35,9 @@ func result(t *testing.T, done <-chan error) error {
 	case err := <-done:
 		return err
 	case <-time.After(10 * time.Second):
-		t.Fatal("the read still waits after 10 s")
+		// The goroutines' stacks say where a rare hang waits.
+		buf := make([]byte, 1<<20)
+		t.Fatalf("the read still waits after 10 s; goroutines:\n%s", buf[:runtime.Stack(buf, true)])
 		return nil
 	}
 }
