@@ -55,9 +55,11 @@ const (
 	// defaultAcceptBacklog is how many opened streams a server session holds
 	// for AcceptStream before it refuses new ones (by closing them).
 	defaultAcceptBacklog = 4096
-	// defaultPollTime is how long a reader waiting for data polls shared
-	// memory after the last event before it sleeps until a wakeup.
-	defaultPollTime = 50 * time.Microsecond
+	// defaultPollTime is the longest a reader waiting for data polls
+	// shared memory after the last event before it sleeps until a wakeup;
+	// a wait polls for a quarter of it unless its answers lately came
+	// later (Stream.stretch).
+	defaultPollTime = 200 * time.Microsecond
 	// defaultStreamHeapLimit is how many unread bytes a stream may copy
 	// out of shared memory to the heap (see Config.StreamHeapLimit).
 	defaultStreamHeapLimit = 16 << 20
@@ -199,24 +201,29 @@ type Config struct {
 	// may log it.
 	KeepAlive time.Duration
 
-	// PollTime is how long a reader waiting for data keeps polling the
+	// PollTime is the longest a reader waiting for data keeps polling the
 	// receive queue in shared memory, after the last event it saw, before
 	// it sleeps until the peer's wakeup message. While it polls, the peer
 	// sends no wakeups, so a message costs no system call; the price is a
-	// busy CPU for up to PollTime after traffic stops. A reader that got
-	// its data leaves the flag that spares the peer's wakeups set (a
-	// lease) until no reader has polled for 16 to 32 ms (20 to 40 ms on a
-	// client; at least PollTime), unless another reader sleeps: events for
-	// streams nobody is reading wait that long at most, and no reader
-	// waits on them (docs/protocol.md sections 12, 12.2). A stream whose
-	// recent waits ran longer than 4 PollTimes on average (a server
-	// between requests that come in gaps), or, on a host with an idle
-	// CPU, whose last 8 waits each outlasted PollTime (answers a few
-	// PollTimes away), stops polling, since its data does not come within
-	// a poll, and polls only in one wait of 16 until its waits shorten
-	// again (sections 12.1, 12.6). Default 50 µs, at most 10 ms; negative
-	// turns polling off (every wait sleeps, every message after a pause
-	// costs a wakeup).
+	// busy CPU while it polls. A wait polls for a base poll, a quarter of
+	// PollTime (50 µs by default). On a host not known to be busy, a
+	// stream whose recent waits that a poll caught took on average more
+	// than a quarter of a base poll polls for 4 times that mean, up to
+	// PollTime: answers that come a little later than a base poll are
+	// caught instead of costing a wakeup of both processes
+	// (docs/protocol.md section 12.7). A reader that got its data leaves
+	// the flag that spares the peer's wakeups set (a lease) until no
+	// reader has polled for 16 to 32 ms (20 to 40 ms on a client; at least
+	// PollTime), unless another reader sleeps: events for streams nobody
+	// is reading wait that long at most, and no reader waits on them
+	// (sections 12, 12.2). A stream whose recent waits ran longer than 4
+	// of its polls on average (a server between requests that come in
+	// gaps), or, on a host with an idle CPU, whose last 8 waits each
+	// outlasted their poll (answers a few polls away), stops polling,
+	// since its data does not come within a poll, and polls only in one
+	// wait of 16 until its waits shorten again (sections 12.1, 12.6).
+	// Default 200 µs, at most 10 ms; negative turns polling off (every
+	// wait sleeps, every message after a pause costs a wakeup).
 	PollTime time.Duration
 
 	// StreamMemoryLimit is how many bytes of the buffer region one stream's

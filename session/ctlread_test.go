@@ -94,7 +94,7 @@ func TestSelfWakes(t *testing.T) {
 // A stream whose data usually comes within a poll leaves the connection to
 // the receive loop; one whose waits run long reads it itself.
 func TestSelfWakeChoice(t *testing.T) {
-	st := &Stream{s: &Session{cfg: Config{PollTime: 50 * time.Microsecond}}}
+	st := &Stream{s: &Session{cfg: Config{PollTime: stretchPolls * 50 * time.Microsecond}}}
 	require.False(t, st.selfWake(st.spinBudget(false, false)), "nothing learned: polls, then sleeps")
 	for range 30 {
 		st.recordWait(time.Second)
@@ -105,13 +105,13 @@ func TestSelfWakeChoice(t *testing.T) {
 
 	// On a busy host, a stream whose last busyMisses waits each outlasted
 	// PollTime reads it itself; one wait within a poll ends the run.
-	busy := &Stream{s: &Session{cfg: Config{PollTime: 50 * time.Microsecond}}}
+	busy := &Stream{s: &Session{cfg: Config{PollTime: stretchPolls * 50 * time.Microsecond}}}
 	forceHost(t, true)
 	for i := range busyMisses {
 		require.False(t, busy.selfWake(busy.spinBudget(false, false)), "after %d missed polls", i)
 		busy.recordWait(120 * time.Microsecond)
 	}
-	require.Equal(t, busy.s.cfg.PollTime, busy.spinBudget(false, false), "waits this short still poll")
+	require.Equal(t, busy.s.basePoll(), busy.spinBudget(false, false), "waits this short still poll")
 	require.True(t, busy.selfWake(busy.spinBudget(false, false)), "busy host, polls that keep missing")
 	busy.recordWait(10 * time.Microsecond)
 	require.False(t, busy.selfWake(busy.spinBudget(false, false)), "a poll that caught its data")
@@ -123,9 +123,9 @@ func TestSelfWakeChoice(t *testing.T) {
 }
 
 // On a host whose CPUs are all busy, a reader whose polls keep missing
-// (requests that come a little more than a PollTime apart) reads the
+// (requests that come a little more than a base poll apart) reads the
 // control connection itself once busyMisses waits in a row have outlasted
-// PollTime, instead of being woken by the receive loop (docs/protocol.md
+// their poll, instead of being woken by the receive loop (docs/protocol.md
 // section 12.1): each of the receive loop's wakeups would be another round
 // of the scheduler against the other processes.
 func TestBusyHostSelfWake(t *testing.T) {
@@ -135,10 +135,10 @@ func TestBusyHostSelfWake(t *testing.T) {
 	forceHost(t, true)
 	got := make([]byte, 1)
 	for i := range busyMisses + 1 {
-		// Mean waits of one PollTime, so every wait polls first
+		// Mean waits of one base poll, so every wait polls first
 		// (spinBudget), and a read that ended just now, so no wait
 		// follows a cold wakeup of the server (coldWake).
-		c.waitEWMA = cfg.PollTime
+		c.waitEWMA = client.basePoll()
 		c.lastRead.Store(int64(monoNow()))
 		before := client.Stats()
 		done := readAsync(c, got)

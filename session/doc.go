@@ -10,7 +10,8 @@
 //   - Polling: the control message that wakes a peer whose working flag is
 //     clear (docs/protocol.md section 3.3). A wakeup is one Polling.
 //   - spin: a reader with nothing to read checks the receive queue itself
-//     for up to Config.PollTime instead of sleeping until a Polling.
+//     for up to Config.PollTime (a quarter of it, unless its answers
+//     lately came later) instead of sleeping until a Polling.
 //   - lease: a reader whose spin got its data keeps the working flag set
 //     for its next read; settle: clear the flag, then harvest what came
 //     (docs/protocol.md section 12).

@@ -874,7 +874,7 @@ func (st *Stream) waitForData(want int) error {
 // stream's waits run long, so that it does not poll (spinBudget: requests
 // that come in gaps, a server between them), or polling is off; and, on a
 // host whose CPUs are all busy (hostBusy), when its last busyMisses waits
-// each outlasted PollTime. A stream whose data usually comes within a
+// each outlasted their poll. A stream whose data usually comes within a
 // poll leaves the connection to the receive loop. Measured with gRPC
 // unary calls (one caller, idle cores), such streams reading it
 // themselves made the polls of both processes miss 1.5 to 2 times as
@@ -890,28 +890,29 @@ func (st *Stream) selfWake(budget time.Duration) bool {
 
 // Tuning of spinBudget.
 const (
-	// longWaits is how many PollTimes a stream's mean wait must exceed for
-	// its reader to stop polling: data that comes that late never comes
+	// longWaits is how many polls (of the length spinBudget gives, base
+	// or stretched) a stream's mean wait must exceed for its reader to
+	// stop polling: data that comes that late never comes
 	// within a poll, and a wait that slept because the peer slept too
 	// (a wakeup's time, tens of µs) stays well below it.
 	longWaits = 4
 	// probeEvery is how often a reader whose waits run long polls anyway,
 	// to notice that traffic sped up.
 	probeEvery = 16
-	// busyMisses is how many waits in a row must have outlasted PollTime
-	// for a reader on a busy host to read the control connection itself
+	// busyMisses is how many waits in a row must have outlasted their poll
+	// (basePoll at least) for a reader on a busy host to read the control connection itself
 	// (selfWake). A poll that misses now and then (a ping-pong whose
 	// peer lost its CPU for a moment) keeps the receive loop reading; one
-	// that always misses (requests 100 µs apart: more than a PollTime,
+	// that always misses (requests 100 µs apart: more than a base poll,
 	// less than longWaits) does not.
 	busyMisses = 4
-	// vainPolls is how many waits in a row must have outlasted PollTime
+	// vainPolls is how many waits in a row must have outlasted their poll
 	// for a reader on a host with an idle CPU (hostHasIdleCPU) to stop
-	// polling, as for long waits: answers that take a few PollTimes (a
+	// polling, as for long waits: answers that take a few polls (a
 	// gRPC call that builds and parses 64 KB, requests 100 µs apart) are
 	// never caught by a poll, which then only burns its CPU. Its probes
 	// (one wait in probeEvery) resume polling once one of them ends within
-	// PollTime. On a busy host the rule made things worse: there a run of
+	// its poll. On a busy host the rule made things worse: there a run of
 	// misses is mostly a peer that lost its CPU for a while, and a reader
 	// that sleeps is woken late (gRPC unary calls with a busy loop on
 	// every CPU caught a third to a half as many answers by polling, and
@@ -923,72 +924,155 @@ const (
 	// answers that never come within a poll. A server whose requests came
 	// 100 to 300 µs apart with a busy loop on every CPU polled in vain in
 	// 4540 of 5031 waits (2 caught their data), and each poll held for
-	// PollTime the CPU that its client, just woken on it, needed: the
+	// a base poll the CPU that its client, just woken on it, needed: the
 	// client's round trip took a median 64-68 µs against uds's 30-36 µs.
 	// A poll that catches its answer one time in ten ends a run this long
 	// once in a thousand runs.
 	busyVainPolls = 64
+	// stretchFactor is how many times the mean of a stream's recent waits
+	// that a poll caught its poll lasts when that exceeds a base poll
+	// (stretch): answers that come about as late as they used to, with
+	// room for their spread. gRPC unary calls of 64 B with 1 caller, on a
+	// host where a call took about 55 µs: the client's caught waits
+	// spread from 20 to 100 µs around 40.
+	stretchFactor = 4
+	// stretchPolls is how many base polls Config.PollTime holds: a base
+	// poll (basePoll) is PollTime/stretchPolls, and no poll is longer than
+	// PollTime.
+	stretchPolls = 4
+	// stretchWin and stretchLoss are what a stretched poll adds to its
+	// stream's stretchScore when its data came after a base poll and
+	// within the stretched one, or did not come within it; stretchCap
+	// bounds the score either way. A stream stretches while the score is
+	// not negative: while its stretched polls catch at least one answer
+	// for every two they miss. gRPC unary calls with 1 caller: 64 B, the
+	// polls caught 2.4 answers per miss; 64 KB (answers that take longer
+	// than PollTime, between frames that come within one), 0.24, and
+	// polling on cost 1.2 times a Unix socket's CPU per call.
+	stretchWin  = 2
+	stretchLoss = 1
+	stretchCap  = 16
 )
+
+// basePoll returns how long a wait polls unless its stream stretches the
+// poll (Stream.stretch), and the unit of the rules that decide whether it
+// polls at all: Config.PollTime/stretchPolls (50 µs by default), at least
+// 1 ns; 0 or less when polling is off (docs/protocol.md section 12.7).
+func (s *Session) basePoll() time.Duration {
+	if p := s.cfg.PollTime; p > 0 {
+		return max(p/stretchPolls, 1)
+	}
+	return s.cfg.PollTime
+}
+
+// stretched returns how long a poll for an answer lasts by what the
+// stream's answers took, given the base poll base (basePoll):
+// stretchFactor times the mean of the stream's recent waits that a poll
+// caught (hitEWMA) when that is longer, up to Config.PollTime, unless the
+// host is busy (hostBusy). A poll that ends just before the answer comes
+// costs a wakeup of both processes, which on a VM whose idle CPUs halt
+// costs more CPU and time than polling on; and once one reader sleeps,
+// its peer's next wait starts late and misses too, so a turn that takes a
+// little more than a base poll keeps both asleep (docs/protocol.md section
+// 12.7). The host counts as busy only by a sample (hostBusy): when readers
+// poll rather than sleep, the sessions' timers take no samples, so "no
+// idle CPU known" (hostHasIdleCPU) would end the stretch that made them
+// poll. The caller holds rmu.
+func (st *Stream) stretched(base time.Duration) time.Duration {
+	want := stretchFactor * st.hitEWMA
+	if want <= base || hostBusy() {
+		return base
+	}
+	return min(want, st.s.cfg.PollTime)
+}
+
+// stretch returns the budget of a wait that polls for its answer: the
+// stretched poll (stretched), or a base poll while the stream's stretched
+// polls lately missed more than twice for each answer they caught
+// (stretchScore < 0), except in one such wait of probeEvery, which
+// stretches to notice that they pay again. The caller holds rmu.
+func (st *Stream) stretch(base time.Duration) time.Duration {
+	poll := st.stretched(base)
+	if poll > base && st.stretchScore < 0 {
+		if st.stretchSkips++; st.stretchSkips < probeEvery {
+			return base
+		}
+		st.stretchSkips = 0
+	}
+	return poll
+}
 
 // coldWake reports whether a wait that begins at start (monoNow) follows a
 // cold wakeup of the peer: the session sent the peer a Polling less than
-// PollTime ago, and the stream's last read call ended more than PollTime
-// before start (as endRead stamps it: after a read that waited, and every
+// a base poll (basePoll) ago, and the stream's last read call ended more
+// than a base poll before start (as endRead stamps it: after a read that waited, and every
 // stampEvery reads), so the peer had been asleep a while. A request after
 // a pause does that; a turn of a ping-pong does not, even when it costs a
 // Polling. The caller holds rmu.
 func (st *Stream) coldWake(start time.Duration) bool {
 	s := st.s
-	return s.cfg.PollTime > 0 &&
-		int64(start)-st.lastRead.Load() > int64(s.cfg.PollTime) && s.wokePeerAt(start)
+	base := s.basePoll()
+	return base > 0 && int64(start)-st.lastRead.Load() > int64(base) && s.wokePeerAt(start)
 }
 
 // afterPause reports whether a wait that begins at start (monoNow), after a
 // cold wakeup of the peer (coldWake), follows a pause: the stream's last
-// read call ended more than longWaits PollTimes before start. The peer had
+// read call ended more than longWaits base polls before start. The peer had
 // then been asleep long enough for its CPU to go idle, and its answer takes
 // at least a wakeup. A turn of busy traffic does not qualify, even when the
 // reader's own goroutine came back late. The caller holds rmu.
 func (st *Stream) afterPause(start time.Duration) bool {
-	return int64(start)-st.lastRead.Load() > int64(longWaits*st.s.cfg.PollTime)
+	return int64(start)-st.lastRead.Load() > int64(longWaits*st.s.basePoll())
 }
 
-// spinBudget returns how long the next wait polls before it sleeps:
-// Config.PollTime, unless polling would not pay:
+// spinBudget returns how long the next wait polls before it sleeps, and
+// records it as the wait's budget (recordWait): a base poll (basePoll),
+// stretched when the stream's answers lately came later (stretch), unless
+// polling would not pay:
 //   - after a cold wakeup of the peer (cold: see coldWake) on a host whose
 //     CPUs are all busy (hostBusy), it sleeps at once. The peer needs a
 //     CPU to answer, and the one that the poll would hold is the one it
 //     waits for (docs/protocol.md section 12.3);
-//   - after a pause (paused: see afterPause), it polls or sleeps at once,
-//     whichever such waits of the stream recently found quicker
-//     (pauseBudget; docs/protocol.md section 12.5);
+//   - after a pause (paused: see afterPause), it polls for a base poll or
+//     sleeps at once, whichever such waits of the stream recently found
+//     quicker (pauseBudget; docs/protocol.md section 12.5);
 //   - when the stream's recent waits were long (a server between requests
-//     that arrive in gaps; longWaits), or its last vainPolls waits (on a
-//     host with an idle CPU; busyVainPolls elsewhere) each outlasted
-//     PollTime (answers a few PollTimes away), it sleeps at once instead
-//     of burning the CPU for nothing, and polls once in probeEvery waits.
+//     that arrive in gaps; longWaits polls), or its last vainPolls waits
+//     (on a host with an idle CPU; busyVainPolls elsewhere) each outlasted
+//     their poll (answers a few polls away), it sleeps at once instead of
+//     burning the CPU for nothing, and polls once in probeEvery waits.
 //
 // The caller holds rmu.
 func (st *Stream) spinBudget(cold, paused bool) time.Duration {
-	limit := st.s.cfg.PollTime
+	st.budget = st.pickBudget(cold, paused)
+	return st.budget
+}
+
+// pickBudget returns spinBudget's budget. The caller holds rmu.
+func (st *Stream) pickBudget(cold, paused bool) time.Duration {
+	base := st.s.basePoll()
 	st.pauseWay = wayNone
-	if limit > 0 && cold && hostBusy() {
+	if base > 0 && cold && hostBusy() {
 		return 0
 	}
-	if limit <= 0 {
-		return limit
+	if base <= 0 {
+		return base
 	}
-	if st.waitEWMA <= longWaits*limit {
+	poll := base // the poll the stream's waits get, for longWaits
+	if st.stretchScore >= 0 {
+		poll = st.stretched(base)
+	}
+	if st.waitEWMA <= longWaits*poll {
 		if paused {
-			return st.pauseBudget(limit)
+			return st.pauseBudget(base)
 		}
 		if st.missRun < vainPolls || (st.missRun < busyVainPolls && !hostHasIdleCPU()) {
-			return limit
+			return st.stretch(base)
 		}
 	}
 	if st.waitSkips++; st.waitSkips >= probeEvery {
 		st.waitSkips = 0
-		return limit
+		return st.stretched(base) // a probe stretches: its answer updates the score too
 	}
 	return 0
 }
@@ -998,7 +1082,7 @@ type waitWay uint8
 
 const (
 	wayNone  waitWay = iota // not a wait after a pause
-	wayPoll                 // it polls for PollTime first
+	wayPoll                 // it polls for a base poll first
 	waySleep                // it sleeps at once
 )
 
@@ -1065,21 +1149,36 @@ func (st *Stream) endWait(start time.Duration) {
 }
 
 // recordWait adds a wait of d to the stream's mean (an EWMA of weight 1/8;
-// a wait counts as at most 2*longWaits PollTimes, so the mean comes back
+// a wait counts as at most 2*longWaits base polls, so the mean comes back
 // down within a dozen waits once data flows again), to its run of waits
-// longer than PollTime (missRun), and, for a wait after a pause, to the
-// mean of its way (learnPause). The caller holds rmu.
+// longer than their poll (missRun: longer than the wait's budget, and
+// than a base poll), to the mean of the waits that a poll caught
+// (hitEWMA: within a budget that polled), to the score of the stretched
+// polls (stretchScore: a wait longer than a base poll whose poll was
+// stretched; see stretch), and, for a wait after a pause, to the mean of
+// its way (learnPause). The wait's budget is the one spinBudget returned
+// last. The caller holds rmu.
 func (st *Stream) recordWait(d time.Duration) {
-	limit := st.s.cfg.PollTime
-	if limit <= 0 {
+	base := st.s.basePoll()
+	if base <= 0 {
 		return // no polling to tune
 	}
-	if d > limit {
+	if d > max(base, st.budget) {
 		st.missRun = min(st.missRun+1, busyVainPolls)
 	} else {
 		st.missRun = 0
 	}
-	d = min(d, 2*longWaits*limit)
+	if st.budget > 0 && d <= st.budget {
+		addWait(&st.hitEWMA, d)
+	}
+	if st.budget > base && d > base {
+		if d <= st.budget {
+			st.stretchScore = min(st.stretchScore+stretchWin, stretchCap)
+		} else {
+			st.stretchScore = max(st.stretchScore-stretchLoss, -stretchCap)
+		}
+	}
+	d = min(d, 2*longWaits*base)
 	if st.pauseWay != wayNone {
 		st.learnPause(d)
 	}
@@ -1504,15 +1603,15 @@ func (st *Stream) spin(want int, budget, start time.Duration) bool {
 }
 
 // wokePeerAt reports whether this session sent the peer a Polling less
-// than PollTime before now (monoNow): the peer is waking.
+// than a base poll (basePoll) before now (monoNow): the peer is waking.
 func (s *Session) wokePeerAt(now time.Duration) bool {
-	return now-time.Duration(s.ctl.wokeAt.Load()) < s.cfg.PollTime
+	return now-time.Duration(s.ctl.wokeAt.Load()) < s.basePoll()
 }
 
 // peerWaking reports whether a spinning reader gives its CPU up to the
 // peer, once per spin, rather than to the process's other goroutines
-// (docs/protocol.md section 12.3): a Polling went out less than PollTime
-// before now (monoNow), so the peer is waking, and the host has an idle
+// (docs/protocol.md section 12.3): a Polling went out less than a base
+// poll before now (monoNow), so the peer is waking, and the host has an idle
 // CPU, so the CPU goes to the peer and not to another busy process.
 func (s *Session) peerWaking(now time.Duration) bool {
 	return s.wokePeerAt(now) && hostHasIdleCPU()

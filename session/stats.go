@@ -19,7 +19,7 @@ type Stats struct {
 	StreamsRefused  uint64 // streams a server refused: accept backlog or Config.MaxStreams full
 	AcksIgnored     uint64 // HotRestartAck messages that answered no HotRestart of ours
 	SpinHits        uint64 // reader waits that ended while spinning (docs/protocol.md section 12)
-	SpinMisses      uint64 // spins that ran out of PollTime before data came
+	SpinMisses      uint64 // spins that ran out of their budget (Config.PollTime at most) before data came
 	Parks           uint64 // reader waits that slept until a Polling (or the receive loop) delivered
 	SelfWakes       uint64 // of Parks: the reader read the control connection itself (docs/protocol.md section 12.1)
 	ActiveStreams   int    // streams the session tracks now

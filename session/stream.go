@@ -53,11 +53,19 @@ type Stream struct {
 	// waitEWMA is the recent waits' mean length, in ns (0: none yet), and
 	// waitSkips counts the waits that did not poll since the last that did
 	// (see spinBudget); missRun counts the latest waits in a row that
-	// lasted longer than PollTime, up to busyVainPolls (see selfWake and
-	// spinBudget).
-	waitEWMA  time.Duration
-	waitSkips uint32
-	missRun   uint32
+	// lasted longer than their poll, up to busyVainPolls (see selfWake and
+	// spinBudget). hitEWMA is the mean length of the recent waits that a
+	// poll caught (0: none yet), stretchScore the score of the stretched
+	// polls, stretchSkips counts the waits that did not stretch while the
+	// score was negative (see stretch), and budget is the poll budget of
+	// the wait under way or last ended (see recordWait).
+	waitEWMA     time.Duration
+	hitEWMA      time.Duration
+	budget       time.Duration
+	waitSkips    uint32
+	missRun      uint32
+	stretchScore int8
+	stretchSkips uint8
 	// A wait after a pause (see afterPause) polls or sleeps at once by
 	// what such waits recently took (see pauseBudget): pausePoll and
 	// pauseSleep are the mean lengths (EWMA, weight 1/8; 0: none yet) of

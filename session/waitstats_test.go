@@ -62,7 +62,7 @@ func TestWaitStats(t *testing.T) {
 // tests run with no such host (TestMain).
 func TestSpinBudget(t *testing.T) {
 	const limit = 50 * time.Microsecond
-	st := &Stream{s: &Session{cfg: Config{PollTime: limit}}}
+	st := &Stream{s: &Session{cfg: Config{PollTime: stretchPolls * limit}}}
 	require.Equal(t, limit, st.spinBudget(false, false), "nothing learned yet")
 	for range 50 {
 		st.recordWait(150 * time.Microsecond) // both sides asleep: a wakeup each way
@@ -113,13 +113,13 @@ func TestPauseBudget(t *testing.T) {
 		return sleeps
 	}
 	forceHost(t, false) // a host with a CPU to spare: a busy one never polls here
-	st := &Stream{s: &Session{cfg: Config{PollTime: limit}}}
+	st := &Stream{s: &Session{cfg: Config{PollTime: stretchPolls * limit}}}
 	require.Equal(t, 1, run(st, probeEvery, 42*time.Microsecond, 43*time.Microsecond),
 		"nothing learned: polls, and tries sleeping once")
 	// A VM whose idle CPUs poll: a reader that slept wakes as fast.
 	sleeps := run(st, 4*probeEvery, 42*time.Microsecond, 43*time.Microsecond)
 	require.Equal(t, 4*probeEvery-4, sleeps, "sleeping costs no more: sleeps, polls once in probeEvery")
-	require.Equal(t, limit, st.spinBudget(false, false), "a wait that is not after a pause still polls")
+	require.Equal(t, st.stretched(limit), st.spinBudget(false, false), "a wait that is not after a pause still polls")
 
 	// Sleeping now costs a wakeup of 40 µs more: back to polling within
 	// a few probes.
@@ -158,7 +158,7 @@ func TestVainPolls(t *testing.T) {
 	pinHostSample(t) // no idle CPU known, whatever /proc/stat says
 	until := hostIdle.until.Swap(0)
 	t.Cleanup(func() { hostIdle.until.Store(until) })
-	st := &Stream{s: &Session{cfg: Config{PollTime: limit}}}
+	st := &Stream{s: &Session{cfg: Config{PollTime: stretchPolls * limit}}}
 	for i := range busyVainPolls {
 		require.Equal(t, limit, st.spinBudget(false, false), "no idle CPU known: polls after %d waits", i)
 		st.recordWait(3 * limit)
@@ -172,10 +172,10 @@ func TestVainPolls(t *testing.T) {
 	}
 	require.Equal(t, 4, polls, "no idle CPU known, after busyVainPolls waits: one probe in probeEvery")
 	st.recordWait(limit / 2)
-	require.Equal(t, limit, st.spinBudget(false, false), "a probe caught its answer: polls again")
+	require.Equal(t, st.stretched(limit), st.spinBudget(false, false), "a probe caught its answer: polls again")
 
 	forceIdleCPU(t)
-	st = &Stream{s: &Session{cfg: Config{PollTime: limit}}}
+	st = &Stream{s: &Session{cfg: Config{PollTime: stretchPolls * limit}}}
 	for i := range vainPolls {
 		require.Equal(t, limit, st.spinBudget(false, false), "after %d waits of 3 PollTimes", i)
 		st.recordWait(3 * limit)
@@ -193,4 +193,111 @@ func TestVainPolls(t *testing.T) {
 
 	st.recordWait(limit / 2) // a probe caught its answer
 	require.Equal(t, limit, st.spinBudget(false, false), "polls again")
+}
+
+// On a host not known to be busy, a stream whose polls caught answers that
+// took on average more than a quarter of a base poll polls for
+// stretchFactor times that mean, up to PollTime (docs/protocol.md section
+// 12.7). A wait within its stretched poll is no miss, and the probes of a
+// stream that stopped polling poll that long too. A busy host, and waits
+// after a pause, poll for a base poll.
+func TestStretch(t *testing.T) {
+	const base = 50 * time.Microsecond
+	forceHost(t, false)
+	st := &Stream{s: &Session{cfg: Config{PollTime: stretchPolls * base}}}
+	require.Equal(t, base, st.s.basePoll())
+	for i := range 50 {
+		require.Equal(t, base, st.spinBudget(false, false), "answers within 5 µs, wait %d", i)
+		st.recordWait(5 * time.Microsecond)
+	}
+
+	// Answers now come in 40 µs: the poll stretches to about 160 µs.
+	for range 50 {
+		require.Positive(t, st.spinBudget(false, false))
+		st.recordWait(40 * time.Microsecond)
+	}
+	b := st.spinBudget(false, false)
+	require.Equal(t, stretchFactor*st.hitEWMA, b)
+	require.InDelta(t, float64(stretchFactor*40*time.Microsecond), float64(b), float64(time.Microsecond))
+	got, want := st.spinBudget(true, true), base
+	if got == 0 {
+		want = 0 // pauseBudget tried sleeping at once
+	}
+	require.Equal(t, want, got, "a wait after a pause polls for a base poll")
+
+	// Answers in 100 µs: caught by the stretched poll, so no misses, and
+	// the poll grows to PollTime, no further.
+	for i := range 50 {
+		b := st.spinBudget(false, false)
+		require.GreaterOrEqual(t, b, 100*time.Microsecond, "wait %d", i)
+		st.recordWait(100 * time.Microsecond)
+		require.Zero(t, st.missRun, "wait %d was caught", i)
+	}
+	require.Equal(t, st.s.cfg.PollTime, st.spinBudget(false, false), "at most PollTime")
+	forceHost(t, true)
+	require.Equal(t, base, st.spinBudget(false, false), "busy host: a base poll")
+	forceHost(t, false)
+
+	// Answers later than PollTime: on a host with an idle CPU, vainPolls
+	// misses stop polling; the probes poll for the stretched time.
+	forceIdleCPU(t)
+	for i := range vainPolls {
+		require.Equal(t, st.s.cfg.PollTime, st.spinBudget(false, false), "wait %d", i)
+		st.recordWait(300 * time.Microsecond)
+	}
+	probes := 0
+	for range 4 * probeEvery {
+		if b := st.spinBudget(false, false); b > 0 {
+			require.Equal(t, st.s.cfg.PollTime, b, "a probe's poll")
+			probes++
+		}
+		st.recordWait(300 * time.Microsecond)
+	}
+	require.Equal(t, 4, probes, "one probe in probeEvery waits")
+}
+
+// A stream whose stretched polls miss more than twice for each answer they
+// catch polls for a base poll again, and stretches in one wait of
+// probeEvery, until those catch answers again: gRPC calls of 64 KB, whose
+// frames come within a poll of each other and whose answers come later
+// than PollTime.
+func TestStretchScore(t *testing.T) {
+	const base = 50 * time.Microsecond
+	forceHost(t, false)
+	st := &Stream{s: &Session{cfg: Config{PollTime: stretchPolls * base}}}
+	for range 50 {
+		st.spinBudget(false, false)
+		st.recordWait(40 * time.Microsecond)
+	}
+	require.Greater(t, st.spinBudget(false, false), base, "answers in 40 µs: stretched")
+
+	// Frames 30 µs apart, answers in 300 µs: every stretched poll misses.
+	frames := func(n int) (stretched int) {
+		for i := range 2 * n {
+			b := st.spinBudget(false, false)
+			require.GreaterOrEqual(t, b, base, "wait %d: the caught frames keep it polling", i)
+			if b > base {
+				stretched++
+			}
+			if i%2 == 0 {
+				st.recordWait(30 * time.Microsecond)
+			} else {
+				st.recordWait(300 * time.Microsecond)
+			}
+		}
+		return stretched
+	}
+	frames(3 * stretchCap)
+	require.Negative(t, st.stretchScore)
+	require.Equal(t, 4, frames(2*probeEvery), "one stretched wait in probeEvery")
+
+	// Answers in 100 µs again: the probes catch them, and it stretches.
+	waits := 0
+	for st.stretchScore < 0 {
+		st.spinBudget(false, false)
+		st.recordWait(100 * time.Microsecond)
+		waits++
+		require.Less(t, waits, (stretchCap/stretchWin+1)*probeEvery, "still not stretching")
+	}
+	require.Greater(t, st.spinBudget(false, false), base)
 }
