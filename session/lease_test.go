@@ -239,7 +239,7 @@ func TestLeaseYieldsToBlockedReader(t *testing.T) {
 // events that came meanwhile are delivered without a reader, and the
 // session's timer stops.
 func TestLeaseExpires(t *testing.T) {
-	cfg := &Config{PollTime: 10 * time.Millisecond}
+	cfg := &Config{PollTime: pollWindow(t)}
 	client, server := pair(t, cfg)
 	c, s := streamPair(t, client, server)
 	leaseHeld(t, server, c, s)
@@ -287,6 +287,19 @@ func TestAnnounceWakesLeasedServer(t *testing.T) {
 	acc, err := server.AcceptStream(ctx)
 	require.NoError(t, err)
 	require.Equal(t, st.ID(), acc.ID())
+}
+
+// pollWindow lifts the bound on PollTime for the test and returns a
+// PollTime whose base poll (basePoll) is 10 ms: a reader polls long
+// enough for the test to see it poll on a loaded machine, and a lease
+// still ends by the session's timer (at least PollTime after it began).
+// With a base poll of 2.5 ms (PollTime 10 ms) the window was missed in 1
+// of 3 runs of make test beside a busy loop.
+func pollWindow(t *testing.T) time.Duration {
+	const p = stretchPolls * 10 * time.Millisecond
+	old := maxPollTime.Swap(int64(p))
+	t.Cleanup(func() { maxPollTime.Store(old) })
+	return p
 }
 
 // endlessPolls lifts the bound on PollTime for the test and returns a

@@ -136,7 +136,7 @@ func TestTimerStops(t *testing.T) {
 // receive loop; the session must end either way. Before the fix, the
 // test hung in its first run on an idle machine.)
 func TestTickEndsSession(t *testing.T) {
-	cfg := &Config{PollTime: 10 * time.Millisecond}
+	cfg := &Config{PollTime: pollWindow(t)}
 	client, server := pair(t, cfg)
 	c, s := streamPair(t, client, server)
 	leaseHeld(t, server, c, s)
