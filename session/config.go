@@ -209,8 +209,9 @@ type Config struct {
 	// PollTime (50 µs by default). On a host not known to be busy, a
 	// stream whose recent waits that a poll caught took on average more
 	// than a quarter of a base poll polls for 4 times that mean, up to
-	// PollTime: answers that come a little later than a base poll are
-	// caught instead of costing a wakeup of both processes
+	// PollTime, while such longer polls catch at least one answer for
+	// every two they miss: answers that come a little later than a base
+	// poll are caught instead of costing a wakeup of both processes
 	// (docs/protocol.md section 12.7). A reader that got its data leaves
 	// the flag that spares the peer's wakeups set (a lease) until no
 	// reader has polled for 16 to 32 ms (20 to 40 ms on a client; at least
