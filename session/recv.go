@@ -987,13 +987,12 @@ func (st *Stream) stretched(base time.Duration) time.Duration {
 	return min(want, st.s.cfg.PollTime)
 }
 
-// stretch returns the budget of a wait that polls for its answer: the
-// stretched poll (stretched), or a base poll while the stream's stretched
+// stretch returns the budget of a wait that polls for its answer, given
+// the base poll base and the stretched poll poll (stretched): poll, or base while the stream's stretched
 // polls lately missed more than twice for each answer they caught
 // (stretchScore < 0), except in one such wait of probeEvery, which
 // stretches to notice that they pay again. The caller holds rmu.
-func (st *Stream) stretch(base time.Duration) time.Duration {
-	poll := st.stretched(base)
+func (st *Stream) stretch(base, poll time.Duration) time.Duration {
 	if poll > base && st.stretchScore < 0 {
 		if st.stretchSkips++; st.stretchSkips < probeEvery {
 			return base
@@ -1060,21 +1059,22 @@ func (st *Stream) pickBudget(cold, paused bool) time.Duration {
 	if base <= 0 {
 		return base
 	}
+	stretched := st.stretched(base)
 	poll := base // the poll the stream's waits get, for longWaits
 	if st.stretchScore >= 0 {
-		poll = st.stretched(base)
+		poll = stretched
 	}
 	if st.waitEWMA <= longWaits*poll {
 		if paused {
 			return st.pauseBudget(base)
 		}
 		if st.missRun < vainPolls || (st.missRun < busyVainPolls && !hostHasIdleCPU()) {
-			return st.stretch(base)
+			return st.stretch(base, stretched)
 		}
 	}
 	if st.waitSkips++; st.waitSkips >= probeEvery {
 		st.waitSkips = 0
-		return st.stretched(base) // a probe stretches: its answer updates the score too
+		return stretched // a probe stretches: its answer updates the score too
 	}
 	return 0
 }
