@@ -472,12 +472,13 @@ func (in *ctlIn) needReader() {
 }
 
 // pump reads the connection for st's reader, waiting for want bytes, or
-// fewer but more than it holds now, if nobody else reads it (see ctlIn); ok says whether it did, and st may
-// have changed. If the receive loop reads it, pump asks it to let go
+// fewer but more than the have bytes its caller found buffered, if nobody
+// else reads it (see ctlIn); ok says whether it did, and st may have
+// changed. If the receive loop reads it, pump asks it to let go
 // (asked); the caller then waits, ctlIn.freed says that the connection is
 // free, and a caller that goes without reading it withdraws the request
 // (withdraw). The caller holds rmu and counts in rx.waiters.
-func (st *Stream) pump(want int) (ok, asked bool) {
+func (st *Stream) pump(want, have int) (ok, asked bool) {
 	s := st.s
 	in := &s.rx.in
 	if !in.tok.TryLock() {
@@ -495,10 +496,13 @@ func (st *Stream) pump(want int) (ok, asked bool) {
 	// whenReadable then copies what it holds out of the region while that
 	// runs short (spillOwn), since the rest may need those slices. A pump
 	// that waited for all of them would wait for ever once the writer
-	// waits for space.
-	st.mu.Lock()
-	want = min(want, st.buffered+1)
-	st.mu.Unlock()
+	// waits for space. New means new since the caller looked (have), not
+	// since now: messages that the receive loop delivered in between,
+	// before the caller flagged its wait (holdWait), stayed in the region
+	// and may hold its last slices; the pump then returns at once, for
+	// whenReadable to copy them out, instead of waiting for a message
+	// that has no slice to come in.
+	want = min(want, have+1)
 	rdl, _ := st.rdl.when()
 	in.kickMu.Lock()
 	in.setDeadlineLocked(s, rdl)

@@ -751,7 +751,7 @@ func (st *Stream) whenReadable(want int, f func(region *buffer.Region) error) er
 			st.holdWait.Store(true)
 			st.spillOwn()
 		}
-		err = st.waitForData(want)
+		err = st.waitForData(want, buffered)
 		if holds {
 			st.holdWait.Store(false)
 		}
@@ -804,13 +804,17 @@ func (st *Stream) tryRead(want int, f func(region *buffer.Region) error) (ran bo
 }
 
 // waitForData waits until something may have changed for a reader waiting
-// for want bytes: it spins on the receive queue first; then, if its waits
-// run long (selfWake), it reads the control connection itself if nobody
-// else does (pump); else it sleeps until the receive loop, or the reader
-// that reads the connection, delivers. It returns a
-// deadline error once the read deadline has passed. The caller holds rmu.
-func (st *Stream) waitForData(want int) error {
+// for want bytes, which found have bytes buffered: it spins on the receive
+// queue first; then, if its waits run long (selfWake), it reads the
+// control connection itself if nobody else does (pump); else it sleeps
+// until the receive loop, or the reader that reads the connection,
+// delivers. It returns a deadline error once the read deadline has
+// passed. The caller holds rmu.
+func (st *Stream) waitForData(want, have int) error {
 	s := st.s
+	if s.waitHook != nil {
+		s.waitHook(st)
+	}
 	select {
 	case <-st.rdl.wait():
 		return errDeadline
@@ -840,7 +844,7 @@ func (st *Stream) waitForData(want int) error {
 	asked := false // this reader asked the receive loop to let go
 	for {
 		if freed != nil {
-			ok, ask := st.pump(want)
+			ok, ask := st.pump(want, have)
 			if ok {
 				s.ctr.selfWakes.Add(1)
 				st.endWait(start)

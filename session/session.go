@@ -60,6 +60,10 @@ type Session struct {
 	// what it waited for, after it chose whether to hand the connection
 	// back and before it lets go of it (ctlread.go).
 	pumpDoneHook func(*Stream)
+	// waitHook, if set (tests only, before the session is used), is
+	// called by a reader at the start of each wait for data, once it
+	// found too few bytes buffered (waitForData, recv.go).
+	waitHook func(*Stream)
 	// spillHook, if set (tests only, under shm.mu), is called by
 	// pushChain before it copies a checked chain at off out of the region
 	// (recv.go).
