@@ -992,10 +992,11 @@ func (st *Stream) stretched(base time.Duration) time.Duration {
 }
 
 // stretch returns the budget of a wait that polls for its answer, given
-// the base poll base and the stretched poll poll (stretched): poll, or base while the stream's stretched
-// polls lately missed more than twice for each answer they caught
-// (stretchScore < 0), except in one such wait of probeEvery, which
-// stretches to notice that they pay again. The caller holds rmu.
+// the base poll base and the stretched poll poll (stretched): poll, or
+// base while the stream's stretched polls lately missed more than twice
+// for each answer they caught (stretchScore < 0), except in one such wait
+// of probeEvery, which stretches to notice that they pay again. The
+// caller holds rmu.
 func (st *Stream) stretch(base, poll time.Duration) time.Duration {
 	if poll > base && st.stretchScore < 0 {
 		if st.stretchSkips++; st.stretchSkips < probeEvery {
