@@ -224,7 +224,12 @@ type Config struct {
 	// since its data does not come within a poll, and polls only in one
 	// wait of 16 until its waits shorten again (sections 12.1, 12.6).
 	// Default 200 µs, at most 10 ms; negative turns polling off (every
-	// wait sleeps, every message after a pause costs a wakeup).
+	// wait sleeps, every message after a pause costs a wakeup). A session
+	// whose two processes may run only on one and the same CPU (a host
+	// with one CPU online, or both bound to one CPU, as sched_getaffinity
+	// reports them when the session starts) does not poll whatever
+	// PollTime says: the peer could not run while a reader polled for its
+	// answer (section 12.8).
 	PollTime time.Duration
 
 	// StreamMemoryLimit is how many bytes of the buffer region one stream's

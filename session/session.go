@@ -226,6 +226,10 @@ func start(ctx context.Context, conn net.Conn, cfg *Config, isClient bool) (*Ses
 		c.Logger.Debug("shmlink: handshake failed", "remote", conn.RemoteAddr(), "err", err)
 		return nil, err
 	}
+	if c.PollTime > 0 && sharesOneCPU(conn) {
+		c.PollTime = -1 // docs/protocol.md section 12.8
+		c.Logger.Debug("shmlink: polling off: both processes run on one CPU", "remote", conn.RemoteAddr())
+	}
 	s := &Session{
 		cfg:      c,
 		conn:     conn,
