@@ -58,6 +58,11 @@ func TestCountCPUList(t *testing.T) {
 // oneCPUEnv makes TestOneCPUNoPolling run as the child it starts.
 const oneCPUEnv = "SHMLINK_TEST_ONE_CPU"
 
+// emulatorEnv names the emulator that runs the test binary, as
+// internal/peertest.EmulatorEnv does (make arm64 runs it under qemu-user),
+// which cannot be imported here: it imports this package.
+const emulatorEnv = "SHMLINK_TEST_EMULATOR"
+
 // A session whose two processes may run only on one CPU does not poll:
 // every wait sleeps (docs/protocol.md section 12.8). The test runs itself
 // again in a child process bound to one CPU, where both sessions of a pair
@@ -82,7 +87,11 @@ func TestOneCPUNoPolling(t *testing.T) {
 		}
 	}
 	var out bytes.Buffer
-	cmd := exec.Command(os.Args[0], "-test.run=^TestOneCPUNoPolling$", "-test.v", "-test.timeout=60s")
+	name, args := os.Args[0], []string{"-test.run=^TestOneCPUNoPolling$", "-test.v", "-test.timeout=60s"}
+	if em := os.Getenv(emulatorEnv); em != "" {
+		name, args = em, append([]string{name}, args...)
+	}
+	cmd := exec.Command(name, args...)
 	cmd.Env = append(os.Environ(), oneCPUEnv+"=1")
 	cmd.Stdout, cmd.Stderr = &out, &out
 	started := make(chan error, 1)
