@@ -3,6 +3,7 @@ package session
 import (
 	"net"
 	"os"
+	"strconv"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -15,7 +16,9 @@ import (
 // scheduler allows them (sched_getaffinity) are the same single CPU. The
 // peer's set is known over a Unix socket whose peer's pid we can see
 // (SO_PEERCRED); where it is not, a host with a single CPU online still
-// counts. Where nothing can be read, it reports false.
+// counts. Where nothing can be read, it reports false. This process's set
+// is the calling thread's, which is the process's unless a thread was
+// bound on its own.
 //
 // A session for which it holds does not poll (docs/protocol.md section
 // 12.8): the peer cannot run while a reader polls for its answer, so every
@@ -89,17 +92,8 @@ func countCPUList(list string) int {
 	return n
 }
 
-// parseCPU parses a CPU number: decimal digits, at most 7.
+// parseCPU parses a CPU number: decimal digits only, below 2^20.
 func parseCPU(s string) (int, bool) {
-	if s == "" || len(s) > 7 {
-		return 0, false
-	}
-	n := 0
-	for _, c := range []byte(s) {
-		if c < '0' || c > '9' {
-			return 0, false
-		}
-		n = n*10 + int(c-'0')
-	}
-	return n, true
+	n, err := strconv.ParseUint(s, 10, 20)
+	return int(n), err == nil
 }
