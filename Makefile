@@ -32,7 +32,8 @@ fuzz:
 # which live in the gRPC example's module so that the main module does not
 # depend on gRPC. They run in BENCHCOUNT rounds of one run each, not with
 # -count, so that in every round each case's transports run seconds apart,
-# within the same phase of a shared host.
+# within the same phase of a shared host. bench.md gets the README's tables
+# (internal/benchtab): medians of the rounds.
 bench:
 	rm -f bench.txt
 	$(GO) test -c -o bench-root.test .
@@ -42,6 +43,7 @@ bench:
 		(cd example/grpc && ../../bench-grpc.test -test.run '^$$' -test.bench 'BenchmarkGRPC|BenchmarkInProcessGRPC' -test.benchmem) | tee -a bench.txt; \
 	done
 	rm -f bench-root.test bench-grpc.test
+	$(GO) run ./internal/benchtab bench.txt > bench.md
 
 example:
 	$(GO) run ./example/helloworld

@@ -4,7 +4,7 @@ package shmlink_test
 // and two stream multiplexers, client and server in two processes, all in
 // one `go test -bench` run so that the ratios are taken side by side.
 //
-//	make bench     # go test -run '^$' -bench . -benchmem -count 6 . | tee bench.txt
+//	make bench     # bench.txt, and the README's tables in bench.md
 //
 // The server is this test binary re-executed (role "bench", see runPeer):
 // it listens on every transport at once and serves each connection by the
