@@ -2,7 +2,6 @@ package peertest
 
 import (
 	"bufio"
-	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -21,30 +20,41 @@ import (
 // server process, the CPU time of a process, a process that keeps every
 // core busy, and the percentiles of round-trip times.
 
-// threadTimes returns the run time of each live thread of process pid so
-// far, by thread id, in nanoseconds as the scheduler counts it (the first
-// field of /proc/<pid>/task/<tid>/schedstat): unlike /proc/<pid>/stat,
-// whose clock ticks are 10 ms, it resolves one round trip. A thread that
-// already exited is not listed. It returns an error when /proc cannot be
-// read.
-func threadTimes(pid int) (map[string]time.Duration, error) {
+// threadTime is what the scheduler counted for a thread so far: the time
+// it ran, and the time it waited on a run queue, runnable but not running
+// (the first two fields of /proc/<pid>/task/<tid>/schedstat).
+type threadTime struct {
+	run, wait time.Duration
+}
+
+// threadTimes returns the run and run-queue wait times of each live thread
+// of process pid so far, by thread id, in nanoseconds as the scheduler
+// counts them (schedstat): unlike /proc/<pid>/stat, whose clock ticks are
+// 10 ms, they resolve one round trip. A thread that already exited is not
+// listed. It returns an error when /proc cannot be read or a schedstat
+// file is malformed.
+func threadTimes(pid int) (map[string]threadTime, error) {
 	dir := fmt.Sprintf("/proc/%d/task", pid)
 	tasks, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, err
 	}
-	ts := make(map[string]time.Duration, len(tasks))
+	ts := make(map[string]threadTime, len(tasks))
 	for _, t := range tasks {
 		b, err := os.ReadFile(dir + "/" + t.Name() + "/schedstat")
 		if err != nil {
 			continue // the thread exited meanwhile
 		}
-		f, _, _ := bytes.Cut(b, []byte{' '})
-		ns, err := strconv.ParseInt(string(f), 10, 64)
-		if err != nil {
+		f := strings.Fields(string(b))
+		if len(f) < 2 {
+			return nil, fmt.Errorf("%s/%s/schedstat: %q: want 3 fields", dir, t.Name(), b)
+		}
+		run, err1 := strconv.ParseInt(f[0], 10, 64)
+		wait, err2 := strconv.ParseInt(f[1], 10, 64)
+		if err := errors.Join(err1, err2); err != nil {
 			return nil, fmt.Errorf("%s/%s/schedstat: %q: %w", dir, t.Name(), b, err)
 		}
-		ts[t.Name()] = time.Duration(ns)
+		ts[t.Name()] = threadTime{time.Duration(run), time.Duration(wait)}
 	}
 	return ts, nil
 }
@@ -53,7 +63,7 @@ func threadTimes(pid int) (map[string]time.Duration, error) {
 // Start and Stop.
 type CPUMeter struct {
 	pids []int
-	at   []map[string]time.Duration // per process, each thread's run time at Start
+	at   []map[string]threadTime // per process, each thread's times at Start
 	// dist is the CPUs' distance (CPUDistance) when the meter was made; 0
 	// if not measured.
 	dist time.Duration
@@ -92,9 +102,10 @@ func placement() time.Duration {
 	return d
 }
 
-// times returns the run time of each thread of each process so far.
-func (m *CPUMeter) times(tb testing.TB) []map[string]time.Duration {
-	ts := make([]map[string]time.Duration, len(m.pids))
+// times returns the run and wait times of each thread of each process so
+// far.
+func (m *CPUMeter) times(tb testing.TB) []map[string]threadTime {
+	ts := make([]map[string]threadTime, len(m.pids))
 	for i, pid := range m.pids {
 		t, err := threadTimes(pid)
 		if err != nil {
@@ -108,23 +119,29 @@ func (m *CPUMeter) times(tb testing.TB) []map[string]time.Duration {
 // Start records the processes' CPU time now.
 func (m *CPUMeter) Start(tb testing.TB) { m.at = m.times(tb) }
 
-// since returns the CPU time each process used since Start: the run time
-// each of its live threads added since then (all of it for a thread
-// started since). A thread that exited since Start counts nothing, rather
-// than take its time at Start off the sum (which made "cpu-us/op"
-// negative): its run time after Start is lost, a slight undercount.
-func (m *CPUMeter) since(tb testing.TB) []time.Duration {
-	ts := make([]time.Duration, len(m.pids))
+// since returns the CPU time each process used since Start, and the time
+// its threads waited on a run queue: what each of its live threads added
+// since then (all of it for a thread started since). A thread that exited
+// since Start counts nothing, rather than take its time at Start off the
+// sum (which made "cpu-us/op" negative): its time after Start is lost, a
+// slight undercount.
+func (m *CPUMeter) since(tb testing.TB) (run, wait []time.Duration) {
+	run = make([]time.Duration, len(m.pids))
+	wait = make([]time.Duration, len(m.pids))
 	for i, now := range m.times(tb) {
-		for tid, d := range now {
-			ts[i] += d - m.at[i][tid]
+		for tid, t := range now {
+			run[i] += t.run - m.at[i][tid].run
+			wait[i] += t.wait - m.at[i][tid].wait
 		}
 	}
-	return ts
+	return run, wait
 }
 
 // Stop returns the CPU time the processes used since Start, summed.
-func (m *CPUMeter) Stop(tb testing.TB) time.Duration { return total(m.since(tb)) }
+func (m *CPUMeter) Stop(tb testing.TB) time.Duration {
+	run, _ := m.since(tb)
+	return total(run)
+}
 
 // total returns the sum of ds.
 func total(ds []time.Duration) time.Duration {
@@ -137,7 +154,9 @@ func total(ds []time.Duration) time.Duration {
 
 // ReportCPU reports the CPU time of m's processes since Start per
 // operation of b, in microseconds, as the metric "cpu-us/op": what both
-// ends of a transport spent on each operation, spinning included. A meter
+// ends of a transport spent on each operation, spinning included; and the
+// time their threads waited for a CPU while runnable, as "runq-us/op":
+// on a busy host, how long the scheduler kept them from running. A meter
 // of two processes (client, server) also reports the server's part as
 // "srv-cpu-us/op", so that a change shows which end it moved, and, unless
 // a StartHog process runs, "xcpu-ns": the farther of the CPUs' placements
@@ -149,9 +168,10 @@ func (m *CPUMeter) ReportCPU(b *testing.B, ops int) {
 	if ops <= 0 {
 		return
 	}
-	ts := m.since(b)
+	ts, waits := m.since(b)
 	perOp := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 / float64(ops) }
 	b.ReportMetric(perOp(total(ts)), "cpu-us/op")
+	b.ReportMetric(perOp(total(waits)), "runq-us/op")
 	if len(ts) != 2 {
 		return
 	}
