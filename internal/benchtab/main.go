@@ -89,11 +89,11 @@ func (rs results) median(name, unit string) (float64, bool) {
 		return 0, false
 	}
 	slices.Sort(vs)
-	if n := len(vs); n%2 == 1 {
+	n := len(vs)
+	if n%2 == 1 {
 		return vs[n/2], true
-	} else {
-		return (vs[n/2-1] + vs[n/2]) / 2, true
 	}
+	return (vs[n/2-1] + vs[n/2]) / 2, true
 }
 
 // roundRatios returns, per round that has both, num's unit over den's.
