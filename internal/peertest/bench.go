@@ -47,7 +47,7 @@ func threadTimes(pid int) (map[string]threadTime, error) {
 		}
 		f := strings.Fields(string(b))
 		if len(f) < 2 {
-			return nil, fmt.Errorf("%s/%s/schedstat: %q: want 3 fields", dir, t.Name(), b)
+			return nil, fmt.Errorf("%s/%s/schedstat: %q: want its run and wait times", dir, t.Name(), b)
 		}
 		run, err1 := strconv.ParseInt(f[0], 10, 64)
 		wait, err2 := strconv.ParseInt(f[1], 10, 64)
