@@ -188,13 +188,7 @@ func busyRows() []row {
 	for _, load := range []string{"idle", "contended"} {
 		for _, size := range []string{"64B", "64KB"} {
 			for _, clients := range []string{"1", "16"} {
-				label := "HTTP/1.1 GET " + spaced(size) + ", " + clients + " client"
-				if clients != "1" {
-					label += "s"
-				}
-				if load == "contended" {
-					label += ", contended"
-				}
+				label := "HTTP/1.1 GET " + spaced(size) + ", " + count(clients, "client") + loadSuffix(load)
 				p := "BenchmarkHTTP/" + load + "/GET-" + size + "/c" + clients + "/"
 				add(label, p+"shmlink", p+"uds", "req/s")
 			}
@@ -208,30 +202,16 @@ func busyRows() []row {
 		}
 		for _, size := range sizes {
 			for _, callers := range []string{"1", "16"} {
-				label := "gRPC unary " + spaced(size) + ", " + callers + " caller"
-				if callers != "1" {
-					label += "s"
-				}
-				if load == "contended" {
-					label += ", contended"
-				}
+				label := "gRPC unary " + spaced(size) + ", " + count(callers, "caller") + loadSuffix(load)
 				p := g + load + "/unary/" + size + "/c" + callers + "/"
 				add(label, p+"shmlink", p+"uds", "calls/s")
 			}
 		}
-		label := "gRPC bidi stream 64 B"
-		if load == "contended" {
-			label += ", contended"
-		}
-		add(label, g+load+"/bidi/64B/shmlink", g+load+"/bidi/64B/uds", "calls/s")
+		add("gRPC bidi stream 64 B"+loadSuffix(load), g+load+"/bidi/64B/shmlink", g+load+"/bidi/64B/uds", "calls/s")
 	}
 	for _, callers := range []string{"1", "16"} {
-		label := "gRPC unary 64 B, " + callers + " caller"
-		if callers != "1" {
-			label += "s"
-		}
 		p := "BenchmarkInProcessGRPC/unary/64B/c" + callers + "/"
-		add(label+", in one process", p+"shmlink", p+"uds", "calls/s")
+		add("gRPC unary 64 B, "+count(callers, "caller")+", in one process", p+"shmlink", p+"uds", "calls/s")
 	}
 	return rows
 }
@@ -284,6 +264,22 @@ func busyTable(w io.Writer, rs results) {
 		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s |\n", r.label, sv, uv, rv, pr, scv, ucv)
 	}
 	fmt.Fprintln(w)
+}
+
+// count is n noun, in the plural unless n is "1": "16 clients".
+func count(n, noun string) string {
+	if n == "1" {
+		return n + " " + noun
+	}
+	return n + " " + noun + "s"
+}
+
+// loadSuffix is what a row's label adds for its load: nothing when idle.
+func loadSuffix(load string) string {
+	if load == "contended" {
+		return ", contended"
+	}
+	return ""
 }
 
 // spaced puts a space between a size's or duration's number and its unit, as
