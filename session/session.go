@@ -665,8 +665,6 @@ func (s *Session) checkIdle(memHeld bool) {
 		if !memHeld {
 			s.unmapIfUnused()
 		}
-	} else if idle {
-		s.releaseWarmHeld(memHeld) // an idle session keeps no warm slice
 	}
 }
 
