@@ -48,8 +48,17 @@ type list struct {
 	inUse *int32
 
 	// popMu serializes this process's pops of the list, so that the ABA
-	// of pop can only come from the peer's (see pop).
+	// of pop can only come from the peer's (see pop). It also guards warm.
 	popMu *sync.Mutex
+	// warm is this process's stack of slices it recycled and keeps for its
+	// own next pops instead of pushing them on the tail (keepWarm,
+	// takeWarm; docs/protocol.md section 2.4, "Warm slices"): absolute
+	// header offsets, the most recent last. At most warmMax.
+	warm    []uint32
+	warmMax int
+	// nwarm is len(warm), readable without popMu: pop's and InUse's
+	// look at an empty stack costs one atomic load.
+	nwarm *atomic.Int32
 	// popHook, set by tests only, runs in pop between reading the head's
 	// next link and the CAS that installs it.
 	popHook func()
@@ -77,6 +86,9 @@ func newList(base unsafe.Pointer, off, cap, dataSize uint32) list {
 	if stride&(stride-1) == 0 {
 		l.strideMask = stride - 1
 	}
+	l.warmMax = max(min(maxWarmSlices, int(maxWarmBytes/dataSize), int(cap/8)), 0)
+	l.warm = make([]uint32, 0, l.warmMax)
+	l.nwarm = new(atomic.Int32)
 	return l
 }
 
@@ -138,6 +150,9 @@ func (l *list) format(base unsafe.Pointer) {
 // list, so the worst outcome is a damaged free list, never an access
 // outside the mapping.
 func (l *list) pop(base unsafe.Pointer) (uint32, error) {
+	if hdr, ok, err := l.takeWarm(base); ok || err != nil {
+		return hdr, err
+	}
 	if atomic.AddInt32(l.free, -1) <= 0 {
 		atomic.AddInt32(l.free, 1)
 		return 0, ErrNoSpace
@@ -217,6 +232,104 @@ func (l *list) push(base unsafe.Pointer, hdr uint32) error {
 		}
 	}
 	return fmt.Errorf("buffer list at %d: tail keeps changing: %w", l.off, ErrCorrupt)
+}
+
+// Bounds of a list's warm slices (keepWarm): the stack holds at most
+// maxWarmSlices slices and maxWarmBytes of data, and an eighth of the
+// list, so that a list of a few slices holds none.
+const (
+	maxWarmSlices = 16
+	maxWarmBytes  = 512 << 10
+)
+
+// keepWarm keeps the slice whose header is at absolute offset hdr, which the
+// caller has claimed (its flags are 0), on this process's stack for its
+// next pop, and reports whether it did: only while the stack has room and
+// at least a quarter of the list's slices are free, so that the peer never
+// runs short for it. A warm slice stays off the free list, flags 0, size
+// and start 0; the shared counters count it in use, as before the free
+// (docs/protocol.md section 2.4, "Warm slices").
+//
+// Why: the free list is first in, first out, so a pushed slice comes back
+// only after every other free slice of its class, its lines and page long
+// gone from the caches. A warm slice comes back at once, still in this
+// CPU's caches and TLB.
+func (l *list) keepWarm(base unsafe.Pointer, hdr uint32) bool {
+	if l.warmMax <= 0 || l.short() {
+		return false
+	}
+	l.popMu.Lock()
+	defer l.popMu.Unlock()
+	if len(l.warm) >= l.warmMax {
+		return false
+	}
+	*u32(base, hdr+sliceOffSize) = 0
+	*u32(base, hdr+sliceOffStart) = 0
+	l.warm = append(l.warm, hdr)
+	l.nwarm.Store(int32(len(l.warm)))
+	return true
+}
+
+// takeWarm pops the most recent warm slice, marked allocated with its cap
+// restored, as pop hands slices out; ok is false when none is kept. A warm
+// slice whose flags are not 0 was written by the peer, which never owned
+// it: that is ErrCorrupt, and the slice is dropped.
+func (l *list) takeWarm(base unsafe.Pointer) (hdr uint32, ok bool, err error) {
+	if l.warmMax <= 0 || l.nwarm.Load() == 0 {
+		return 0, false, nil
+	}
+	l.popMu.Lock()
+	n := len(l.warm)
+	if n == 0 {
+		l.popMu.Unlock()
+		return 0, false, nil
+	}
+	hdr = l.warm[n-1]
+	l.warm = l.warm[:n-1]
+	l.nwarm.Store(int32(n - 1))
+	l.popMu.Unlock()
+	*u32(base, hdr+sliceOffCap) = l.dataSize
+	if !atomic.CompareAndSwapUint32(u32(base, hdr+sliceOffFlags), 0, flagWord(flagAllocated)) {
+		return 0, false, fmt.Errorf("buffer list at %d: warm slice at %d: flags changed to %#x: %w",
+			l.off, hdr, wordFlags(atomic.LoadUint32(u32(base, hdr+sliceOffFlags))), ErrCorrupt)
+	}
+	return hdr, true, nil
+}
+
+// releaseWarm pushes every warm slice on the free list (docs/protocol.md
+// section 2.4), and returns the first error of a push; the slices after
+// it stay warm. A warm slice whose flags are not 0 (the peer wrote them) is skipped.
+func (l *list) releaseWarm(base unsafe.Pointer) error {
+	if l.warmMax <= 0 || l.nwarm.Load() == 0 {
+		return nil
+	}
+	var buf [maxWarmSlices]uint32
+	l.popMu.Lock()
+	kept := buf[:copy(buf[:], l.warm)]
+	l.warm = l.warm[:0]
+	l.nwarm.Store(0)
+	l.popMu.Unlock()
+	for i, hdr := range kept {
+		if atomic.LoadUint32(u32(base, hdr+sliceOffFlags)) != 0 {
+			continue
+		}
+		if err := l.push(base, hdr); err != nil {
+			l.popMu.Lock()
+			l.warm = append(l.warm, kept[i+1:]...)
+			l.nwarm.Store(int32(len(l.warm)))
+			l.popMu.Unlock()
+			return err
+		}
+	}
+	return nil
+}
+
+// warmCount returns how many slices this process keeps warm (keepWarm).
+func (l *list) warmCount() int {
+	if l.warmMax <= 0 {
+		return 0
+	}
+	return int(l.nwarm.Load())
 }
 
 // used returns the slices of the list not on its free list, cap minus the

@@ -280,16 +280,32 @@ func (r *Region) Capacity() (slices, bytes int) {
 func (r *Region) MaxSliceSize() int { return int(r.lists[len(r.lists)-1].dataSize) }
 
 // InUse returns, per buffer list in ascending order of slice size
-// (docs/protocol.md section 2.2), the slices not on
-// the free list: the cap minus the shared free count, clamped to [0, cap].
-// Both processes' allocations count. It is meant for statistics and leak
-// tests; the values may be stale as soon as they are returned.
+// (docs/protocol.md section 2.2), the slices in use: not on the free list
+// (the cap minus the shared free count, clamped to [0, cap]) and not kept
+// warm by this process (FreeWarm). Both processes' allocations count, and
+// so do the slices the peer keeps warm. It is meant for
+// statistics and leak tests; the values may be stale as soon as they are
+// returned.
 func (r *Region) InUse() []int {
 	out := make([]int, len(r.lists))
 	for i := range r.lists {
-		out[i] = r.lists[i].used()
+		l := &r.lists[i]
+		out[i] = max(l.used()-l.warmCount(), 0)
 	}
 	return out
+}
+
+// ReleaseWarm pushes the slices this process keeps warm (FreeWarm) onto
+// their free lists, where the peer can allocate them too. It returns an
+// error wrapping ErrCorrupt when a list's tail is invalid; the slices not
+// pushed then stay kept.
+func (r *Region) ReleaseWarm() error {
+	for i := range r.lists {
+		if err := r.lists[i].releaseWarm(r.base); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Alloc pops one slice and returns the absolute offset in bytes of its
@@ -383,13 +399,33 @@ func (r *Region) Free(off uint32) error {
 	if !ok {
 		return badOffset("free", off)
 	}
-	_, err := r.free(l, off)
+	_, err := r.free(l, off, false)
 	return err
 }
 
-// free checks and claims the slice at off of list l, then pushes it. It
-// returns the flags word the slice had before the claim.
-func (r *Region) free(l *list, off uint32) (uint32, error) {
+// FreeWarm is Free, except that while at least a quarter of the slice's
+// list is free, the slice may be kept for this process's next Alloc
+// instead of going to the tail of the free list: up to 16 slices, 512 KiB
+// and an eighth of the list per list ("Warm slices" in docs/protocol.md
+// section 2.4). The free list is first in, first out, so a pushed slice
+// comes back only after every other free slice of its class, out of the
+// caches; a kept one comes back at once. A kept slice is off the free
+// list, its flags 0: the shared counters, and so the peer's InUse, count
+// it in use until the next Alloc takes it or ReleaseWarm pushes it;
+// InUse and FreeBytes of this Region count it free. Its errors are Free's.
+func (r *Region) FreeWarm(off uint32) error {
+	l, ok := r.locate(off)
+	if !ok {
+		return badOffset("free", off)
+	}
+	_, err := r.free(l, off, true)
+	return err
+}
+
+// free checks and claims the slice at off of list l, then keeps it warm
+// (when warm is set and the list allows it) or pushes it. It returns the
+// flags word the slice had before the claim.
+func (r *Region) free(l *list, off uint32, warm bool) (uint32, error) {
 	if c := load32(r.base, off+sliceOffCap); c != l.dataSize {
 		return 0, fmt.Errorf("buffer: free slice at %d: cap %d, its list's slices have %d: %w", off, c, l.dataSize, ErrCorrupt)
 	}
@@ -400,6 +436,9 @@ func (r *Region) free(l *list, off uint32) (uint32, error) {
 			return 0, fmt.Errorf("buffer: free slice at %d: not allocated (flags %#x): %w", off, wordFlags(fw), ErrCorrupt)
 		}
 		if atomic.CompareAndSwapUint32(fp, fw, 0) {
+			if warm && l.keepWarm(r.base, off) {
+				return fw, nil
+			}
 			return fw, l.push(r.base, off)
 		}
 	}
@@ -425,7 +464,7 @@ func (r *Region) FreeChain(head uint32) (n int, err error) {
 			return n, badOffset(fmt.Sprintf("free chain from %d, slice %d", head, n), off)
 		}
 		next := load32(r.base, off+sliceOffNext)
-		fw, err := r.free(l, off)
+		fw, err := r.free(l, off, false)
 		if err != nil {
 			return n, err
 		}
@@ -496,7 +535,7 @@ func (r *Region) FreeBytes() int {
 	n := 0
 	for i := range r.lists {
 		l := &r.lists[i]
-		n += (int(l.cap) - l.used()) * int(l.dataSize)
+		n += (int(l.cap) - l.used() + l.warmCount()) * int(l.dataSize)
 	}
 	return n
 }
