@@ -99,6 +99,7 @@ func TestStalledReader(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, bytes.Equal(data, got), "the stalled stream's bytes differ")
 
+	releaseWarm(client, server)
 	st := server.Stats()
 	require.NotZero(t, st.Spilled, "%+v", st)
 	require.Zero(t, client.Stats().FallbackWrites)

@@ -144,6 +144,7 @@ func TestCloseDuringReadFrom(t *testing.T) {
 	go pw.Write([]byte("late")) // the Read returns; its bytes are dropped
 	require.ErrorIs(t, result(t, copied), ErrStreamClosed)
 	require.NoError(t, s.Close())
+	releaseWarm(server)
 	eventually(t, func() bool { return sum(client.Stats().SlicesInUse) == 0 }, "every slice freed")
 }
 

@@ -835,6 +835,7 @@ func (st *Stream) waitForData(want, have int) error {
 	defer s.rx.waiters.Add(-1)
 	s.settle()
 	s.unlease()
+	s.releaseWarm()
 	var freed chan struct{} // nil: this wait leaves the connection to others
 	if st.selfWake(budget) {
 		freed = s.rx.in.freed
@@ -1489,7 +1490,7 @@ func (st *Stream) advanceLocked(region *buffer.Region, c *chunk) error {
 			if c.pinned {
 				st.held = append(st.held, c.off)
 				st.holdSlices(1)
-			} else if err := region.Free(c.off); err != nil {
+			} else if err := region.FreeWarm(c.off); err != nil {
 				st.dropHeadLocked()
 				return err
 			} else {
@@ -1808,4 +1809,33 @@ func (st *Stream) spill(region *buffer.Region) (held int) {
 		st.s.shm.noteFreed()
 	}
 	return st.shm
+}
+
+// releaseWarm pushes the slices that this process keeps warm for its next
+// writes (buffer.Region.FreeWarm) back onto the free lists, for a reader
+// about to sleep or a session left without streams: traffic has paused,
+// so an idle session keeps none, and the peer and the in-use counts see
+// them free (docs/protocol.md section 2.4, "Warm slices"). A corrupt list
+// or a fault in shared memory ends the session; a session whose memory is
+// gone has nothing to release.
+func (s *Session) releaseWarm() { s.releaseWarmHeld(false) }
+
+// releaseWarmHeld is releaseWarm for a caller that holds shm.mu's read
+// lock when memHeld is set (a second read lock could wait behind a writer
+// that waits for the first).
+func (s *Session) releaseWarmHeld(memHeld bool) {
+	release := func(m *memory) error { return m.region.ReleaseWarm() }
+	var err error
+	if !memHeld {
+		err = s.withMem(release)
+	} else if m := s.shm.mem; m != nil {
+		err = guard(func() error { return release(m) })
+	}
+	switch {
+	case err == nil:
+	case isFault(err):
+		s.failOp("shared memory", err)
+	case errors.Is(err, buffer.ErrCorrupt):
+		s.failOp("release", err)
+	}
 }

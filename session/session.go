@@ -665,6 +665,8 @@ func (s *Session) checkIdle(memHeld bool) {
 		if !memHeld {
 			s.unmapIfUnused()
 		}
+	} else if idle {
+		s.releaseWarmHeld(memHeld) // an idle session keeps no warm slice
 	}
 }
 
