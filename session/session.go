@@ -467,7 +467,12 @@ func (s *Session) Close() error {
 	s.tab.accepts = nil
 	s.mu.Unlock()
 	for _, st := range s.liveStreams() {
-		st.Close()
+		if st.Close() == ErrStreamClosed {
+			// Another goroutine's Close is under way (a handler closing
+			// its connection as the server shuts down): it forgets
+			// the stream before the memory may be unmapped below.
+			st.closing.Wait()
+		}
 	}
 	// fail forgot the streams closed earlier, and each Close above
 	// unrouted its own; what is left is a stream whose Close runs

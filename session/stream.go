@@ -42,6 +42,10 @@ type Stream struct {
 	// wmu; a Close meanwhile does not wait for wmu but sets closeLeft,
 	// and ReadFrom ends the close once that Read returns (see Close).
 	srcRead, closeLeft bool
+	// closing counts the Close under way (0 or 1; added under mu by the
+	// Close that made the transition), so that a session's Close that
+	// finds the stream closing waits for it (see Session.Close).
+	closing sync.WaitGroup
 
 	// Read side, guarded by rmu: one read call at a time.
 	rmu    sync.Mutex
@@ -300,6 +304,10 @@ func (st *Stream) Close() error {
 	// writes of viaSocket came before it set srcRead under mu.
 	inSrcRead := ok && st.srcRead
 	st.closeLeft = inSrcRead
+	if ok {
+		st.closing.Add(1)
+		defer st.closing.Done()
+	}
 	st.mu.Unlock()
 	if !ok {
 		return ErrStreamClosed
