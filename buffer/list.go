@@ -150,12 +150,14 @@ func (l *list) format(base unsafe.Pointer) {
 // list, so the worst outcome is a damaged free list, never an access
 // outside the mapping.
 func (l *list) pop(base unsafe.Pointer) (uint32, error) {
-	if hdr, ok, err := l.takeWarm(base); ok || err != nil {
+	if hdr, ok, err := l.takeWarm(base, false); ok || err != nil {
 		return hdr, err
 	}
 	if atomic.AddInt32(l.free, -1) <= 0 {
 		atomic.AddInt32(l.free, 1)
-		return 0, ErrNoSpace
+		// A slice kept warm meanwhile is ours: a writer never runs out
+		// while its own process keeps one (see keepWarm).
+		return l.takeWarmOrNoSpace(base)
 	}
 	l.popMu.Lock()
 	defer l.popMu.Unlock()
@@ -254,13 +256,18 @@ const (
 // only after every other free slice of its class, its lines and page long
 // gone from the caches. A warm slice comes back at once, still in this
 // CPU's caches and TLB.
+//
+// The check of the free count is made under popMu, as is a failed pop's
+// last look at the stack (takeWarmOrNoSpace): a pop that finds the list
+// empty either sees the slice kept, or the slice is pushed instead,
+// never kept where that pop has stopped looking.
 func (l *list) keepWarm(base unsafe.Pointer, hdr uint32) bool {
-	if l.warmMax <= 0 || l.short() {
+	if l.warmMax <= 0 {
 		return false
 	}
 	l.popMu.Lock()
 	defer l.popMu.Unlock()
-	if len(l.warm) >= l.warmMax {
+	if len(l.warm) >= l.warmMax || l.short() {
 		return false
 	}
 	*u32(base, hdr+sliceOffSize) = 0
@@ -274,8 +281,11 @@ func (l *list) keepWarm(base unsafe.Pointer, hdr uint32) bool {
 // restored, as pop hands slices out; ok is false when none is kept. A warm
 // slice whose flags are not 0 was written by the peer, which never owned
 // it: that is ErrCorrupt, and the slice is dropped.
-func (l *list) takeWarm(base unsafe.Pointer) (hdr uint32, ok bool, err error) {
-	if l.warmMax <= 0 || l.nwarm.Load() == 0 {
+//
+// Unless locked is set, a stack that its count (nwarm) shows empty is
+// not looked at under popMu.
+func (l *list) takeWarm(base unsafe.Pointer, locked bool) (hdr uint32, ok bool, err error) {
+	if l.warmMax <= 0 || (!locked && l.nwarm.Load() == 0) {
 		return 0, false, nil
 	}
 	l.popMu.Lock()
@@ -294,6 +304,17 @@ func (l *list) takeWarm(base unsafe.Pointer) (hdr uint32, ok bool, err error) {
 			l.off, hdr, wordFlags(atomic.LoadUint32(u32(base, hdr+sliceOffFlags))), ErrCorrupt)
 	}
 	return hdr, true, nil
+}
+
+// takeWarmOrNoSpace is the end of a pop that found the list empty: a
+// warm slice if this process keeps one (looked for under popMu, see
+// keepWarm), ErrNoSpace otherwise.
+func (l *list) takeWarmOrNoSpace(base unsafe.Pointer) (uint32, error) {
+	hdr, ok, err := l.takeWarm(base, true)
+	if !ok && err == nil {
+		err = ErrNoSpace
+	}
+	return hdr, err
 }
 
 // releaseWarm pushes every warm slice on the free list (docs/protocol.md
