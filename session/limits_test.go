@@ -501,6 +501,13 @@ func TestPollingOwedAfterFailedFlush(t *testing.T) {
 	a := accept(t, server)
 	announceRaw(t, mem, 3, write)
 	b := accept(t, server)
+	// The announcements' empty slices are recycled before a fills the
+	// region: AcceptStream may return first, and a slice recycled after
+	// the fill would be a free one for b's Reserve below. (The server's
+	// view counts a slice it keeps warm as free.)
+	waitFor(t, "the announcements' slices recycled", func() bool {
+		return sum(server.Stats().SlicesInUse) == 0
+	})
 
 	_, err := b.Write([]byte("hello")) // an event in shared memory
 	require.NoError(t, err)
