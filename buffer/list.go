@@ -262,7 +262,7 @@ const (
 // empty either sees the slice kept, or the slice is pushed instead,
 // never kept where that pop has stopped looking.
 func (l *list) keepWarm(base unsafe.Pointer, hdr uint32) bool {
-	if l.warmMax <= 0 {
+	if l.warmMax <= 0 || l.short() { // a short list skips the lock
 		return false
 	}
 	l.popMu.Lock()
