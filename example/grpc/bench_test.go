@@ -267,7 +267,7 @@ func BenchmarkGRPC(b *testing.B) {
 // 16 callers, with client and server in the test process, over shmlink
 // and a Unix socket: what the transports cost when both ends share one Go
 // scheduler, against the two processes of BenchmarkGRPC (docs/benchmarks.md,
-// "Where shmlink loses"). cpu-us/op is the test process's CPU time per call.
+// "Where shmlink lost"). cpu-us/op is the test process's CPU time per call.
 func BenchmarkInProcessGRPC(b *testing.B) {
 	for _, callers := range []int{1, 16} {
 		b.Run(fmt.Sprintf("unary/64B/c%d", callers), func(b *testing.B) {
