@@ -3,6 +3,7 @@ package shmlink_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -193,6 +194,60 @@ func TestSocketMode(t *testing.T) {
 		_, err = os.Lstat(p)
 		require.ErrorIs(t, err, os.ErrNotExist, "nothing created")
 	}
+}
+
+// Dials with file-backed regions at the same time, in one process, all
+// succeed. Each sweeps ShmDir for the files of dead clients before it
+// creates its own, and those sweeps used to remove files that another dial
+// was still creating: the server then failed the handshake with "no such
+// file" (docs/protocol.md section 9, "Files of dead clients"). Two test
+// processes dialing over loopback TCP at once failed that way.
+func TestConcurrentFileDials(t *testing.T) {
+	dir, err := os.MkdirTemp("/dev/shm", "shmlink-test-")
+	require.NoError(t, err)
+	defer os.RemoveAll(dir)
+	lc := shmlink.ListenConfig{Config: &shmlink.Config{ShmDir: dir}}
+	ln, err := lc.Listen(context.Background(), "unix", filepath.Join(t.TempDir(), "s.sock"))
+	require.NoError(t, err)
+	defer ln.Close()
+	defer serveEcho(ln, 4)()
+
+	const dialers, dials = 4, 10
+	errs := make(chan error, dialers*dials)
+	var wg sync.WaitGroup
+	for g := range dialers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range dials {
+				d := &shmlink.Dialer{Config: &shmlink.Config{ShmDir: dir, MemoryType: shmlink.MemoryFile, BufferSize: 4 << 20}}
+				c, err := d.Dial("unix", ln.Addr().String())
+				if err == nil {
+					msg := fmt.Sprintf("dialer %d dial %d", g, i)
+					if _, err = c.Write([]byte(msg)); err == nil {
+						got := make([]byte, len(msg))
+						if _, err = io.ReadFull(c, got); err == nil && string(got) != msg {
+							err = fmt.Errorf("echo %q, want %q", got, msg)
+						}
+					}
+					c.Close()
+				}
+				d.Close()
+				if err != nil {
+					errs <- fmt.Errorf("dialer %d dial %d: %w", g, i, err)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	ln.CloseSessions()
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Empty(t, entries, "files left in ShmDir")
 }
 
 // TCP listeners stay on loopback unless AllowNonLoopback says otherwise.

@@ -62,9 +62,10 @@ func randomName(epoch uint64) string {
 
 // removeStale removes, from dir, the shared-memory files of earlier
 // clients that died (kill -9, a crash) before their server spoke: files
-// named by randomName, of our uid, whose owner's lock is gone (shm.Stale:
-// unlike a pid, it holds across pid namespaces, for containers that share
-// dir). Errors are ignored: a file that stays is only wasted space.
+// named by randomName, of our uid, whose owner's lock is gone
+// (shm.RemoveStale: unlike a pid, the lock holds across pid namespaces,
+// for containers that share dir, and a file being created holds it
+// already). Errors are ignored: a file that stays is only wasted space.
 func removeStale(dir string) {
 	entries, err := os.ReadDir(dir)
 	if err != nil {
@@ -79,9 +80,8 @@ func removeStale(dir string) {
 		if err != nil {
 			continue
 		}
-		path := filepath.Join(dir, e.Name())
-		if st, ok := info.Sys().(*syscall.Stat_t); ok && int(st.Uid) == uid && shm.Stale(path) {
-			os.Remove(path)
+		if st, ok := info.Sys().(*syscall.Stat_t); ok && int(st.Uid) == uid {
+			shm.RemoveStale(filepath.Join(dir, e.Name()))
 		}
 	}
 }

@@ -71,11 +71,18 @@ func SealShrink(fd int) bool {
 // (a container's /dev/shm is 64 MB by default) takes its pages at the
 // first write to each, and a write that finds no room faults (SIGBUS)
 // instead of failing (docs/protocol.md section 13).
+//
+// The file holds a shared flock from its first moment, before it is sized,
+// so that RemoveStale in another process (or goroutine) never takes it for
+// a dead owner's. Between the create and the flock a sweep can still take
+// the exclusive lock and unlink the new file; it unlinks under that lock,
+// so once the shared lock is ours a link count of 0 tells, and the file is
+// created again at the same path (at most createTries times).
 func CreateFile(path string, size int) (*os.File, error) {
 	if size <= 0 || size > MaxMapSize {
 		return nil, fmt.Errorf("%w: %d bytes", ErrBadSize, size)
 	}
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
+	f, err := createLocked(path)
 	if err != nil {
 		return nil, err
 	}
@@ -95,13 +102,51 @@ func CreateFile(path string, size int) (*os.File, error) {
 		os.Remove(path)
 		return nil, &os.PathError{Op: "fallocate", Path: path, Err: err}
 	}
-	// The owner's mark, which outlives pid namespaces: see Stale.
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_SH); err != nil {
-		f.Close()
-		os.Remove(path)
-		return nil, os.NewSyscallError("flock", err)
-	}
 	return f, nil
+}
+
+// createTries bounds how many times createLocked creates its file again
+// after a sweep removed it: each try needs another sweep to win a window
+// of a few system calls.
+const createTries = 8
+
+// createLocked creates the empty file at path (O_EXCL, 0600 before the
+// umask, close-on-exec) and returns it holding a shared flock: the owner's
+// mark, which outlives pid namespaces (see RemoveStale).
+func createLocked(path string) (*os.File, error) {
+	for range createTries {
+		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
+		if err != nil {
+			return nil, err
+		}
+		fd := int(f.Fd())
+		if err := flock(fd, unix.LOCK_SH); err != nil {
+			f.Close()
+			os.Remove(path)
+			return nil, os.NewSyscallError("flock", err)
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			f.Close()
+			os.Remove(path)
+			return nil, os.NewSyscallError("fstat", err)
+		}
+		if st.Nlink > 0 {
+			return f, nil
+		}
+		f.Close() // a sweep unlinked it before our lock: the path is free again
+	}
+	return nil, &os.PathError{Op: "create", Path: path, Err: fmt.Errorf("removed by stale-file sweeps %d times in a row", createTries)}
+}
+
+// flock applies how (unix.LOCK_SH, ...) to fd, again while a signal
+// interrupts the wait.
+func flock(fd, how int) error {
+	for {
+		if err := unix.Flock(fd, how); err != unix.EINTR {
+			return err
+		}
+	}
 }
 
 // allocate allocates the blocks of the first size bytes of the file fd
@@ -122,18 +167,28 @@ func allocate(fd int, size int64) error {
 	}
 }
 
-// Stale reports whether the file at path, made by CreateFile, is no
-// longer anybody's: CreateFile's file holds a shared flock for as long as
-// it is open, so a file whose exclusive lock can be taken has no live
-// owner, whichever pid namespace that owner ran in. A file that cannot be
+// RemoveStale removes the file at path, made by CreateFile, if it is no
+// longer anybody's, and reports whether it did. CreateFile's file holds a
+// shared flock for as long as it is open, so a file whose exclusive lock
+// can be taken has no live owner, whichever pid namespace that owner ran
+// in. The file is unlinked while that lock is held, and only if path
+// still names the file locked, so that a creator that takes its lock
+// afterwards sees its file gone (see CreateFile). A file that cannot be
 // opened or locked counts as live.
-func Stale(path string) bool {
+func RemoveStale(path string) bool {
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return false
 	}
 	defer unix.Close(fd)
-	return unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB) == nil
+	if flock(fd, unix.LOCK_EX|unix.LOCK_NB) != nil {
+		return false
+	}
+	var locked, named unix.Stat_t
+	if unix.Fstat(fd, &locked) != nil || unix.Lstat(path, &named) != nil || checkSame(&locked, &named) != nil {
+		return false
+	}
+	return unix.Unlink(path) == nil
 }
 
 // OpenFile opens an existing shared-memory file that a peer named,

@@ -8,6 +8,9 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
+	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -83,6 +86,85 @@ func TestCreateFileAllocates(t *testing.T) {
 	require.NoError(t, unix.Fstat(int(f.Fd()), &st))
 	require.EqualValues(t, 1<<20, st.Size)
 	require.GreaterOrEqual(t, st.Blocks*512, int64(1<<20), "blocks allocated")
+}
+
+// RemoveStale removes the file of a closed owner and keeps that of an open
+// one, and a file whose path now names another file is left alone.
+func TestRemoveStale(t *testing.T) {
+	dir := t.TempDir()
+	live, dead := filepath.Join(dir, "live"), filepath.Join(dir, "dead")
+	f, err := CreateFile(live, 4096)
+	require.NoError(t, err)
+	defer f.Close()
+	g, err := CreateFile(dead, 4096)
+	require.NoError(t, err)
+	require.NoError(t, g.Close())
+
+	require.False(t, RemoveStale(live), "its owner holds it open")
+	_, err = os.Stat(live)
+	require.NoError(t, err)
+	require.True(t, RemoveStale(dead))
+	_, err = os.Stat(dead)
+	require.ErrorIs(t, err, fs.ErrNotExist)
+	require.False(t, RemoveStale(dead), "nothing left to remove")
+	require.False(t, RemoveStale(filepath.Join(dir, "never")))
+}
+
+// A sweep of stale files that runs while files are being created never
+// removes one: CreateFile holds its lock from the file's first moment, and
+// a file swept in the instant before that lock is created again. Before,
+// the lock came after the file was sized, and sweeps by concurrent dials
+// removed files being created (docs/protocol.md section 9, "Files of dead
+// clients").
+func TestCreateFileBesideRemoveStale(t *testing.T) {
+	dir, err := os.MkdirTemp("/dev/shm", "shmlink-test-")
+	require.NoError(t, err)
+	defer os.RemoveAll(dir)
+	done := make(chan struct{})
+	var swept atomic.Int64
+	var wg sync.WaitGroup
+	for range 2 { // the sweepers: other dials' removeStale
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				entries, _ := os.ReadDir(dir)
+				for _, e := range entries {
+					if RemoveStale(filepath.Join(dir, e.Name())) {
+						swept.Add(1)
+					}
+				}
+			}
+		}()
+	}
+	stop := sync.OnceFunc(func() { close(done); wg.Wait() })
+	defer stop()
+	for i := range 300 {
+		p := filepath.Join(dir, "f"+strconv.Itoa(i))
+		f, err := CreateFile(p, 256<<10)
+		require.NoError(t, err)
+		var opened, named unix.Stat_t
+		require.NoError(t, unix.Fstat(int(f.Fd()), &opened))
+		require.NoError(t, unix.Lstat(p, &named), "file %d was removed while it was created", i)
+		require.NoError(t, checkSame(&opened, &named))
+		require.EqualValues(t, 1, opened.Nlink)
+		require.EqualValues(t, 256<<10, opened.Size)
+		// Closed, the file is stale, and the sweepers must find it so.
+		require.NoError(t, f.Close())
+	}
+	stop()
+	for i := range 300 {
+		RemoveStale(filepath.Join(dir, "f"+strconv.Itoa(i))) // what the sweepers left
+	}
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Empty(t, entries)
+	require.Positive(t, swept.Load(), "the sweepers removed closed files")
 }
 
 // CheckMemfd takes memfds and tmpfs files, and refuses other files and

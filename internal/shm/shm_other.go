@@ -10,8 +10,8 @@ import (
 // CreateMemfd returns ErrUnsupported on this platform.
 func CreateMemfd(name string, size int) (*os.File, error) { return nil, ErrUnsupported }
 
-// Stale reports false on this platform.
-func Stale(path string) bool { return false }
+// RemoveStale removes nothing on this platform and reports false.
+func RemoveStale(path string) bool { return false }
 
 // Claim returns ErrUnsupported on this platform.
 func Claim(fd int) (release func(), err error) { return nil, ErrUnsupported }
