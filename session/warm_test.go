@@ -17,6 +17,13 @@ func TestReaderThatSleepsReleasesWarmSlices(t *testing.T) {
 	msg := make([]byte, 64)
 	_, err := c.Write(msg)
 	require.NoError(t, err)
+	// The read below must not wait: a reader that sleeps hands back what
+	// it keeps (streamPair's byte), the behaviour checked further down.
+	eventually(t, func() bool {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.rhead < len(s.recv)
+	}, "msg arrives")
 	_, err = io.ReadFull(s, msg)
 	require.NoError(t, err)
 	require.Equal(t, 2, sum(client.Stats().SlicesInUse), "the server keeps the slices it read: streamPair's byte and msg")
