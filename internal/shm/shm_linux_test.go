@@ -89,7 +89,7 @@ func TestCreateFileAllocates(t *testing.T) {
 }
 
 // RemoveStale removes the file of a closed owner and keeps that of an open
-// one, and a file whose path now names another file is left alone.
+// one; a path with no file is nothing to remove.
 func TestRemoveStale(t *testing.T) {
 	dir := t.TempDir()
 	live, dead := filepath.Join(dir, "live"), filepath.Join(dir, "dead")
