@@ -50,7 +50,10 @@ func TestAnnounceBeforeData(t *testing.T) {
 	require.ErrorIs(t, err, io.EOF)
 	require.NoError(t, s.Close())
 	eventually(t, func() bool { return client.NumStreams() == 0 && server.NumStreams() == 0 }, "both sides forget the stream")
-	require.Zero(t, sum(client.Stats().SlicesInUse), "the announcement's slice was recycled")
+	// The client gets its slices back when the server frees them and,
+	// for a slice its reader kept warm for the next write, when the idle
+	// session releases it, which happens after the stream is forgotten.
+	eventually(t, func() bool { return sum(client.Stats().SlicesInUse) == 0 }, "the announcement's slice was recycled")
 }
 
 // A stream opened and closed without a byte is still seen by the server,
