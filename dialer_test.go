@@ -236,11 +236,11 @@ func TestDialerBurstWhileDialing(t *testing.T) {
 func TestDialerGrowFailureKeepsSessions(t *testing.T) {
 	ln, cfg := listen(t, "unix")
 	defer serveEcho(ln, 8)()
-	var logged logBuffer
-	lcfg := *cfg
-	lcfg.Logger = slog.New(slog.NewTextHandler(&logged, nil))
 	for _, retry := range []time.Duration{time.Hour, time.Nanosecond} {
 		t.Run("retry="+retry.String(), func(t *testing.T) {
+			var logged logBuffer // each case's own: the log checks are its
+			lcfg := *cfg
+			lcfg.Logger = slog.New(slog.NewTextHandler(&logged, nil))
 			d := &shmlink.Dialer{Config: &lcfg, MaxSessions: 2, StreamsPerSession: 2}
 			defer d.Close()
 			calls := 0

@@ -16,8 +16,10 @@ import (
 
 // FuzzServerHandshake feeds arbitrary client bytes to the server side of the
 // handshake, over a Unix socket (so the memfd path is reachable) and over a
-// pipe. Every input must end in an error or a session, never a panic or a
-// hang, and leave nothing open.
+// pipe. Every input must end in a handshake error or a session, never a
+// panic or a hang, and the server's end of the connection is closed after
+// either (the session owns it). The input carries no descriptors, so that
+// end is all there is to leave open.
 func FuzzServerHandshake(f *testing.F) {
 	f.Add([]byte{0, 0, 0, 8, 0x77, 0x58, 3, 4}, false)
 	f.Add(append([]byte{0, 0, 0, 8, 0x77, 0x58, 3, 4}, wire.AppendShareMemory(nil, 3, wire.TypeShareMemoryByMemfd, wire.ShmMetadata{QueuePath: "q", BufferPath: "b"})...), true)
@@ -48,6 +50,14 @@ func FuzzServerHandshake(f *testing.F) {
 		if err == nil {
 			// Only a handshake naming real shared memory can succeed.
 			s.Close()
+		} else {
+			require.ErrorIs(t, err, ErrHandshake)
+		}
+		_, err = sc.Read(make([]byte, 1))
+		if unixSocket {
+			require.ErrorIs(t, err, net.ErrClosed, "the server's end is still open")
+		} else {
+			require.ErrorIs(t, err, io.ErrClosedPipe, "the server's end is still open")
 		}
 	})
 }

@@ -210,6 +210,7 @@ func TestServerRejectsWrongFdCount(t *testing.T) {
 	require.NoError(t, err)
 	defer f.Close()
 	fd := int(f.Fd())
+	require.Equal(t, 1, fdsOpenOn(t, f.Name()))
 	_, _, err = cc.WriteMsgUnix([]byte{0}, unix.UnixRights(fd, fd, fd), nil)
 	require.NoError(t, err)
 	err = <-done
@@ -218,4 +219,22 @@ func TestServerRejectsWrongFdCount(t *testing.T) {
 	// The server closed its side: we read EOF, not a hang.
 	_, err = cc.Read(make([]byte, 1))
 	require.ErrorIs(t, err, io.EOF)
+	// The three descriptors it received (in this process) are closed:
+	// only ours is left on the file.
+	require.Equal(t, 1, fdsOpenOn(t, f.Name()), "received descriptors left open")
+}
+
+// fdsOpenOn returns how many of this process's descriptors are open on the
+// file at path.
+func fdsOpenOn(t *testing.T, path string) int {
+	t.Helper()
+	entries, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	n := 0
+	for _, e := range entries {
+		if target, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && target == path {
+			n++
+		}
+	}
+	return n
 }
