@@ -35,6 +35,7 @@ type ctlWriter struct {
 	pollOwed atomic.Bool     // a Polling is to be written by sem's holder
 	pollMsg  []byte          // the encoded Polling message
 	flushers sync.WaitGroup  // flusher goroutines; Session.Close waits for them
+	owing    atomic.Int32    // flusher goroutines running: writes owed on conn
 	// broken is the error of a write that found the peer's end closed
 	// (writeFailed); the session ends once the receive loop has read what
 	// the peer sent before.
@@ -204,15 +205,30 @@ func (s *Session) writeNow(b []byte) bool {
 		return true
 	}
 	rest := append([]byte(nil), b[n:]...)
-	c.flushers.Add(1)
+	c.startOwed()
 	go s.flush(net.Buffers{rest})
 	return false
+}
+
+// startOwed counts a flusher goroutine about to start: the rest of a
+// message, or closes owed (Session.owedClose), that it writes on the
+// connection in its turn. Session.Close lets them go out before it closes
+// the connection (drainSend), and waits for the goroutines after.
+func (c *ctlWriter) startOwed() {
+	c.flushers.Add(1)
+	c.owing.Add(1)
+}
+
+// endOwed counts the end of a flusher goroutine that startOwed counted.
+func (c *ctlWriter) endOwed() {
+	c.owing.Add(-1)
+	c.flushers.Done()
 }
 
 // flush writes what a writer left of its message, within WriteTimeout,
 // then lets go of the connection. It runs on its own goroutine holding sem.
 func (s *Session) flush(rest net.Buffers) {
-	defer s.ctl.flushers.Done()
+	defer s.ctl.endOwed()
 	if _, _, err := s.writeTimed(&rest, nil, nil); err != nil {
 		s.writeFailed(err)
 	}
@@ -238,7 +254,7 @@ func (s *Session) sendCtl(bufs net.Buffers, st *Stream, cancel <-chan struct{}) 
 		err = stop
 	case stop != nil:
 		rest := bytes.Join(bufs, nil) // one message: maxFallbackChunk and its header at most
-		s.ctl.flushers.Add(1)
+		s.ctl.startOwed()
 		go s.flush(net.Buffers{rest})
 		return nil
 	default:

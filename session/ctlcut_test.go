@@ -3,6 +3,7 @@ package session
 import (
 	"context"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -268,4 +269,63 @@ func TestClosesOwedWhileConnectionHeld(t *testing.T) {
 		_, err := c.Read(make([]byte, 1))
 		require.ErrorIs(t, err, io.EOF, "stream %d", c.ID())
 	}
+}
+
+// A session's Close lets the connection's owed writes finish first: the
+// rest of a message cut by its stream's Close (a flusher's) and the
+// StreamClose owed behind it. Closing the connection under them would end
+// it inside a message, and the peer's session would end with an error
+// instead of reading every message whole. Found by TestSoak: a Dialer
+// closed a session that had gone idle while such a rest was owed.
+func TestSessionCloseFinishesOwedWrites(t *testing.T) {
+	mem, server, cc := rawClientConn(t,
+		&Config{BufferSize: 64 << 10, SizeClasses: tinyConfig().SizeClasses},
+		&Config{Fallback: true, WriteTimeout: time.Minute})
+	announceRaw(t, mem, 2, func(b []byte) error { _, err := cc.Write(b); return err })
+	a := accept(t, server)
+	aDone := blockedWrite(t, a, 8<<20)
+	require.NoError(t, a.Close(), "Close waits for the peer to read")
+	require.ErrorIs(t, result(t, aDone), ErrStreamClosed)
+	// The peer took every event, as a live one does: Close's wait for the
+	// send queue (drainSend) has nothing to wait for there.
+	for {
+		_, ok, err := mem.recv.Pop()
+		require.NoError(t, err)
+		if !ok {
+			break
+		}
+	}
+
+	closed := make(chan error, 1)
+	go func() { closed <- server.Close() }()
+	// The old code closed the connection at once; the new one waits for the
+	// peer to take the owed bytes (for at most a second, drainSend).
+	waitFor(t, "Close closes the connection or waits for the owed writes", func() bool {
+		return len(closed) > 0 || goroutineWaits("(*Session).drainSend", "select")
+	})
+
+	// The peer reads again: whole messages, a's close among them, then
+	// the connection's end between two messages.
+	var closes int
+	var err error
+	for {
+		var hdr [wire.HeaderSize]byte
+		if _, err = io.ReadFull(cc, hdr[:]); err != nil {
+			break
+		}
+		h, perr := wire.ParseHeader(hdr[:], 1<<20)
+		require.NoError(t, perr)
+		payload := make([]byte, int(h.Length)-wire.HeaderSize)
+		if _, err = io.ReadFull(cc, payload); err != nil {
+			err = fmt.Errorf("%d-byte message of type %d cut after its header: %v", h.Length, h.Type, err) // not io.EOF
+			break
+		}
+		if h.Type == wire.TypeStreamClose && binary.BigEndian.Uint32(payload) == a.ID() {
+			closes++
+		}
+	}
+	require.ErrorIs(t, err, io.EOF, "the connection ended inside a message")
+	require.NotErrorIs(t, err, io.ErrUnexpectedEOF, "the connection ended inside a message")
+	require.Equal(t, 1, closes, "the stream's close reached the peer")
+	require.NoError(t, result(t, closed))
 }

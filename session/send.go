@@ -626,7 +626,7 @@ func (s *Session) owedClose(id uint32) {
 	c.closes = append(c.closes, id)
 	if !c.closing {
 		c.closing = true
-		c.flushers.Add(1)
+		c.startOwed()
 		go s.writeOwedCloses()
 	}
 }
@@ -637,7 +637,7 @@ func (s *Session) owedClose(id uint32) {
 // closes owed are dropped.
 func (s *Session) writeOwedCloses() {
 	c := s.ctl
-	defer c.flushers.Done()
+	defer c.endOwed()
 	var ids []uint32
 	var msg []byte
 	for {

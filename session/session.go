@@ -488,17 +488,25 @@ func (s *Session) Close() error {
 }
 
 // drainSend gives the peer a bounded chance, until the send queue is
-// empty or for at most min(HandshakeTimeout, 1 s), to take the events
-// still queued before Close closes the connection: a shmipc-go peer acts
-// on the connection's end before it reads the events queued before it,
-// and would lose a stream's last data and close (docs/protocol.md section
-// 8). It returns at once when the session has ended.
+// empty and no write is owed on the connection, or for at most
+// min(HandshakeTimeout, 1 s), to take the events still queued and the
+// owed writes before Close closes the connection. A shmipc-go peer acts on
+// the connection's end before it reads the events queued before it, and
+// would lose a stream's last data and close (docs/protocol.md section 8).
+// An owed write is the rest of a message whose stream's Close or deadline
+// cut its write, or closes owed to the closer goroutine (ctlWriter.owing):
+// closing the connection under it would end it inside a message, and the
+// peer's session with an error. It returns at once when the session has
+// ended.
 func (s *Session) drainSend() {
 	limit := time.Now().Add(min(s.cfg.HandshakeTimeout, time.Second))
 	var tick *time.Ticker
 	for s.Err() == nil {
 		var empty bool
-		if s.withMem(func(m *memory) error { empty = m.send.Empty(); return nil }) != nil || empty {
+		if s.withMem(func(m *memory) error { empty = m.send.Empty(); return nil }) != nil {
+			break
+		}
+		if empty && s.ctl.owing.Load() == 0 {
 			break
 		}
 		if time.Now().After(limit) {
