@@ -117,6 +117,7 @@ func write(w io.Writer, rs results) {
 		[]string{"64B", "1KB", "4KB", "16KB", "64KB", "256KB", "1MB", "4MB"})
 	sizeTable(w, rs, "PingPongParallel", "`PingPongParallel` (time per round trip, 64 streams)",
 		[]string{"64B", "4KB", "1MB"})
+	memoryBound(w, rs)
 	sizeTable(w, rs, "Stream", "`Stream` (time per one-way message, one goroutine, default Config)",
 		[]string{"10KB", "64KB", "1MB"})
 	busyTable(w, rs)
@@ -138,6 +139,50 @@ func sizeTable(w io.Writer, rs results, bench, title string, sizes []string) {
 		fmt.Fprintf(w, " %s |\n", cell(ok1 && ok2, fmt.Sprintf("%.1fx", u/s)))
 	}
 	fmt.Fprintln(w)
+}
+
+// memoryBound prints, under the PingPongParallel table, how the 1 MB
+// Read/Write case compares with BenchmarkMemoryCopy: the four copies of its
+// round trip with nothing else, a bound under the time of any transport
+// that copies four times. Nothing when the run lacks either.
+func memoryBound(w io.Writer, rs results) {
+	const bound = "BenchmarkMemoryCopy/PingPongParallel/1MB"
+	const shm, uds = "BenchmarkPingPongParallel/shmlink/1MB", "BenchmarkPingPongParallel/uds/1MB"
+	m, ok1 := rs.median(bound, "ns/op")
+	s, ok2 := rs.median(shm, "ns/op")
+	u, ok3 := rs.median(uds, "ns/op")
+	if !ok1 || !ok2 || !ok3 {
+		return
+	}
+	fmt.Fprintf(w, "The four copies of a 1 MB round trip alone (`BenchmarkMemoryCopy`, both CPUs copying at once "+
+		"between buffers laid out as in this case) took %s per round trip%s. So in this run no transport that "+
+		"copies each byte four times could beat uds's %s by more than %.1fx%s; shmlink's Read/Write took %.2f "+
+		"times that bound, uds %.2f times.\n\n",
+		fmtNs(m), rs.timeRange(bound),
+		fmtNs(u), u/m, rangeOf(" (per round ", rs.roundRatios(uds, bound, "ns/op"), "x)"), s/m, u/m)
+}
+
+// timeRange is " (per round lo-hi)" of name's ns/op over its rounds, or
+// nothing with fewer than two.
+func (rs results) timeRange(name string) string {
+	var vs []float64
+	for _, m := range rs[name] {
+		if v, ok := m["ns/op"]; ok {
+			vs = append(vs, v)
+		}
+	}
+	if len(vs) < 2 {
+		return ""
+	}
+	return fmt.Sprintf(" (per round %s-%s)", fmtNs(slices.Min(vs)), fmtNs(slices.Max(vs)))
+}
+
+// rangeOf is pre lo-hi post for two or more values, else nothing.
+func rangeOf(pre string, vs []float64, post string) string {
+	if len(vs) < 2 {
+		return ""
+	}
+	return fmt.Sprintf("%s%.1f-%.1f%s", pre, slices.Min(vs), slices.Max(vs), post)
 }
 
 // A row of the busy-host table: a case over shmlink and over uds.

@@ -80,3 +80,30 @@ func TestFormats(t *testing.T) {
 	assert.Equal(t, "100 µs", spaced("100µs"))
 	assert.Equal(t, "x", spaced("x"))
 }
+
+func TestMemoryBound(t *testing.T) {
+	const run = `BenchmarkPingPongParallel/shmlink/1MB-2 	 100	 200000 ns/op
+BenchmarkPingPongParallel/uds/1MB-2     	 100	 400000 ns/op
+BenchmarkMemoryCopy/PingPongParallel/1MB-2 	 100	 160000 ns/op
+BenchmarkPingPongParallel/shmlink/1MB-2 	 100	 300000 ns/op
+BenchmarkPingPongParallel/uds/1MB-2     	 100	 450000 ns/op
+BenchmarkMemoryCopy/PingPongParallel/1MB-2 	 100	 150000 ns/op
+`
+	rs, err := parse(strings.NewReader(run))
+	require.NoError(t, err)
+	var b strings.Builder
+	memoryBound(&b, rs)
+	out := b.String()
+	// Medians of two rounds: bound 155 µs, shmlink 250 µs, uds 425 µs;
+	// per round uds over the bound: 2.5x and 3.0x.
+	assert.Contains(t, out, "took 155.0 µs per round trip (per round 150.0 µs-160.0 µs)")
+	assert.Contains(t, out, "uds's 425.0 µs by more than 2.7x (per round 2.5-3.0x)")
+	assert.Contains(t, out, "Read/Write took 1.61 times that bound, uds 2.74 times.")
+
+	// A run without the bound prints nothing.
+	rs, err = parse(strings.NewReader(sample))
+	require.NoError(t, err)
+	b.Reset()
+	memoryBound(&b, rs)
+	assert.Empty(t, b.String())
+}
