@@ -144,7 +144,7 @@ func sizeTable(w io.Writer, rs results, bench, title string, sizes []string) {
 // memoryBound prints, under the PingPongParallel table, how the 1 MB
 // Read/Write case compares with BenchmarkMemoryCopy: the four copies of its
 // round trip with nothing else, a bound under the time of any transport
-// that copies four times. Nothing when the run lacks either.
+// that copies four times. Nothing when the run lacks any of the three.
 func memoryBound(w io.Writer, rs results) {
 	const bound = "BenchmarkMemoryCopy/PingPongParallel/1MB"
 	const shm, uds = "BenchmarkPingPongParallel/shmlink/1MB", "BenchmarkPingPongParallel/uds/1MB"
@@ -154,10 +154,10 @@ func memoryBound(w io.Writer, rs results) {
 	if !ok1 || !ok2 || !ok3 {
 		return
 	}
-	fmt.Fprintf(w, "The four copies of a 1 MB round trip alone (`BenchmarkMemoryCopy`, both CPUs copying at once "+
-		"between buffers laid out as in this case) took %s per round trip%s. So in this run no transport that "+
-		"copies each byte four times could beat uds's %s by more than %.1fx%s; shmlink's Read/Write took %.2f "+
-		"times that bound, uds %.2f times.\n\n",
+	fmt.Fprintf(w, "The four copies of a 1 MB round trip alone (`BenchmarkMemoryCopy`: both CPUs copying at once "+
+		"between buffers laid out as in this case, each piece through a buffer that stays in the CPU's cache) took "+
+		"%s per round trip%s. So in this run no transport that copies each byte four times could beat uds's %s by "+
+		"more than %.1fx%s; shmlink's Read/Write took %.2f times that bound, uds %.2f times.\n\n",
 		fmtNs(m), rs.timeRange(bound),
 		fmtNs(u), u/m, rangeOf(" (per round ", rs.roundRatios(uds, bound, "ns/op"), "x)"), s/m, u/m)
 }
