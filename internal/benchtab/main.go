@@ -79,12 +79,7 @@ func parse(r io.Reader) (results, error) {
 // median returns the median of unit over the rounds of name, and false if
 // no round has it.
 func (rs results) median(name, unit string) (float64, bool) {
-	var vs []float64
-	for _, m := range rs[name] {
-		if v, ok := m[unit]; ok {
-			vs = append(vs, v)
-		}
-	}
+	vs := rs.values(name, unit)
 	if len(vs) == 0 {
 		return 0, false
 	}
@@ -94,6 +89,17 @@ func (rs results) median(name, unit string) (float64, bool) {
 		return vs[n/2], true
 	}
 	return (vs[n/2-1] + vs[n/2]) / 2, true
+}
+
+// values returns unit's value in each round of name that has it.
+func (rs results) values(name, unit string) []float64 {
+	var vs []float64
+	for _, m := range rs[name] {
+		if v, ok := m[unit]; ok {
+			vs = append(vs, v)
+		}
+	}
+	return vs
 }
 
 // roundRatios returns, per round that has both, num's unit over den's.
@@ -165,12 +171,7 @@ func memoryBound(w io.Writer, rs results) {
 // timeRange is " (per round lo-hi)" of name's ns/op over its rounds, or
 // nothing with fewer than two.
 func (rs results) timeRange(name string) string {
-	var vs []float64
-	for _, m := range rs[name] {
-		if v, ok := m["ns/op"]; ok {
-			vs = append(vs, v)
-		}
-	}
+	vs := rs.values(name, "ns/op")
 	if len(vs) < 2 {
 		return ""
 	}
