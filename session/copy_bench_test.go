@@ -1,6 +1,7 @@
 package session
 
 import (
+	"fmt"
 	"io"
 	"testing"
 )
@@ -87,6 +88,57 @@ func BenchmarkIOCopy(b *testing.B) {
 				if err := <-done; err != nil {
 					b.Fatal(err)
 				}
+				c.Close()
+				s.Close()
+			}
+		})
+	}
+}
+
+// BenchmarkReadFromSocket copies 64 MiB per op with io.Copy from a Unix
+// socket into a stream (ReadFrom, which waits for the socket's bytes
+// before it takes a slice for them), the socket's writer writing messages
+// of the sub-benchmark's size back to back; the stream's reader discards.
+func BenchmarkReadFromSocket(b *testing.B) {
+	const total = 64 << 20
+	for _, size := range []int{64, 4 << 10, 64 << 10} {
+		b.Run(fmt.Sprintf("%dB", size), func(b *testing.B) {
+			client, server := pair(b, nil)
+			b.SetBytes(total)
+			b.ResetTimer()
+			for range b.N {
+				c, s := streamPair(b, client, server)
+				in, src := socketPair(b)
+				written := make(chan error, 1)
+				go func() {
+					msg := make([]byte, size)
+					var err error
+					for left := total; left > 0 && err == nil; left -= size {
+						_, err = in.Write(msg)
+					}
+					if err == nil {
+						err = in.Close()
+					}
+					written <- err
+				}()
+				copied := make(chan error, 1)
+				go func() {
+					_, err := io.Copy(c, src)
+					if err == nil {
+						err = c.CloseWrite()
+					}
+					copied <- err
+				}()
+				n, err := io.Copy(io.Discard, s)
+				if err == nil && n != total {
+					err = io.ErrUnexpectedEOF
+				}
+				for _, e := range []error{err, <-written, <-copied} {
+					if e != nil {
+						b.Fatal(e)
+					}
+				}
+				src.Close()
 				c.Close()
 				s.Close()
 			}

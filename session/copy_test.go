@@ -5,6 +5,8 @@ import (
 	"errors"
 	"hash/crc32"
 	"io"
+	"net"
+	"os"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -215,4 +217,145 @@ func TestCloseBetweenReadFromReads(t *testing.T) {
 		require.ErrorIs(t, result(t, copied), ErrStreamClosed)
 		require.NoError(t, s.Close())
 	}
+}
+
+// srcSockets returns the two ends of a connected pair of sockets of the
+// given kind ("unix" or "tcp"), closed when the test ends: ReadFrom reads
+// the second, the test writes into the first.
+func srcSockets(t *testing.T, kind string) (net.Conn, net.Conn) {
+	t.Helper()
+	if kind == "unix" {
+		a, b := socketPair(t)
+		t.Cleanup(func() { a.Close(); b.Close() })
+		return a, b
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	a, err := net.Dial("tcp", ln.Addr().String())
+	require.NoError(t, err)
+	b, err := ln.Accept()
+	require.NoError(t, err)
+	t.Cleanup(func() { a.Close(); b.Close() })
+	return a, b
+}
+
+// waitsInSource waits until st's ReadFrom waits on its source.
+func waitsInSource(t *testing.T, st *Stream) {
+	t.Helper()
+	waitFor(t, "ReadFrom waits on its source", func() bool {
+		st.mu.Lock()
+		defer st.mu.Unlock()
+		return st.srcRead
+	})
+}
+
+// io.Copy(stream, conn) from a socket that says nothing holds no shared
+// memory (a proxy's idle connections): ReadFrom waits for the socket's
+// bytes before it takes a slice for them, and hands every byte over in
+// order. Before, each waiting ReadFrom held a slice of up to 64 KiB, and a
+// few hundred idle connections held the whole region. Its source's read
+// deadline still ends it, with the source's error.
+func TestReadFromIdleSocketHoldsNoSlice(t *testing.T) {
+	for _, kind := range []string{"unix", "tcp"} {
+		t.Run(kind, func(t *testing.T) {
+			client, server := pair(t, nil)
+			c, s := streamPair(t, client, server)
+			in, src := srcSockets(t, kind)
+			type copied struct {
+				n   int64
+				err error
+			}
+			done := make(chan copied, 1)
+			go func() {
+				// As a proxy copies: for TCP, TCPConn.WriteTo calls ReadFrom
+				// with a wrapper of the connection.
+				n, err := io.Copy(c, src)
+				done <- copied{n, err}
+			}()
+			idle := func(what string) {
+				t.Helper()
+				waitsInSource(t, c)
+				releaseWarm(client, server)
+				eventually(t, func() bool { return sum(client.Stats().SlicesInUse) == 0 }, what)
+			}
+			idle("no slice in use before the source's first bytes")
+
+			var sent []byte
+			for round := range 3 {
+				msg := bytes.Repeat([]byte{byte('a' + round)}, 1000+round*70000)
+				_, err := in.Write(msg)
+				require.NoError(t, err)
+				sent = append(sent, msg...)
+				got := make([]byte, len(msg))
+				_, err = io.ReadFull(s, got)
+				require.NoError(t, err)
+				require.Equal(t, msg, got)
+				idle("no slice in use while the source is idle again")
+			}
+
+			// The source's read deadline ends ReadFrom with its error.
+			require.NoError(t, src.SetReadDeadline(time.Now()))
+			var r copied
+			select {
+			case r = <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatal("ReadFrom still waits after its source's read deadline")
+			}
+			require.ErrorIs(t, r.err, os.ErrDeadlineExceeded)
+			require.EqualValues(t, len(sent), r.n)
+			releaseWarm(client, server)
+			eventually(t, func() bool { return sum(client.Stats().SlicesInUse) == 0 }, "no slice left reserved")
+
+			// Then the source's end ends it with nil.
+			require.NoError(t, src.SetReadDeadline(time.Time{}))
+			go func() {
+				n, err := io.Copy(c, src)
+				done <- copied{n, err}
+			}()
+			waitsInSource(t, c)
+			_, err := in.Write([]byte("end"))
+			require.NoError(t, err)
+			require.NoError(t, in.Close())
+			r = <-done
+			require.NoError(t, r.err)
+			require.EqualValues(t, 3, r.n)
+			got := make([]byte, 3)
+			_, err = io.ReadFull(s, got)
+			require.NoError(t, err)
+			require.Equal(t, "end", string(got))
+		})
+	}
+}
+
+// A Close while ReadFrom waits for its socket's bytes returns at once, as
+// one while it waits in any reader's Read: the peer reads the end of the
+// stream, and ReadFrom returns ErrStreamClosed when the socket has
+// something to say, leaving those bytes in the socket.
+func TestCloseDuringReadFromSocket(t *testing.T) {
+	client, server := pair(t, nil)
+	c, s := streamPair(t, client, server)
+	in, src := srcSockets(t, "unix")
+	copied := make(chan error, 1)
+	go func() {
+		_, err := c.ReadFrom(src)
+		copied <- err
+	}()
+	waitsInSource(t, c)
+	closed := make(chan error, 1)
+	go func() { closed <- c.Close() }()
+	require.NoError(t, result(t, closed))
+	_, err := s.Read(make([]byte, 1))
+	require.ErrorIs(t, err, io.EOF, "the peer reads the end of the stream")
+	_, err = in.Write([]byte("late"))
+	require.NoError(t, err)
+	require.ErrorIs(t, result(t, copied), ErrStreamClosed)
+	got := make([]byte, 4)
+	require.NoError(t, src.SetReadDeadline(time.Now().Add(10*time.Second)))
+	_, err = io.ReadFull(src, got)
+	require.NoError(t, err, "the bytes stay in the socket")
+	require.Equal(t, "late", string(got))
+	require.NoError(t, s.Close())
+	releaseWarm(client, server)
+	eventually(t, func() bool { return sum(client.Stats().SlicesInUse) == 0 }, "every slice freed")
 }

@@ -41,6 +41,17 @@ func recvDontWait(fd uintptr, b []byte) (int, unix.Errno) {
 	return int(n), errno
 }
 
+// peekDontWait receives into b from the socket fd, leaving the bytes in
+// the socket, without blocking and without telling the scheduler: a raw
+// recvfrom(2) with MSG_PEEK and MSG_DONTWAIT. It returns the byte count
+// (0 at the end of a stream) and the call's errno (0 on success).
+func peekDontWait(fd uintptr, b []byte) (int, unix.Errno) {
+	n, _, errno := unix.RawSyscall6(unix.SYS_RECVFROM, fd,
+		uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)),
+		unix.MSG_PEEK|unix.MSG_DONTWAIT, 0, 0)
+	return int(n), errno
+}
+
 // sendDontWait sends b on the socket fd without blocking and without
 // telling the scheduler: a raw sendto(2) with MSG_DONTWAIT and
 // MSG_NOSIGNAL (a closed peer is EPIPE, not SIGPIPE). It returns the byte

@@ -6,12 +6,15 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"reflect"
 	"runtime"
+	"syscall"
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
 	"github.com/shmlink/shmlink/internal/wire"
 	"github.com/shmlink/shmlink/queue"
+	"golang.org/x/sys/unix"
 )
 
 // The send direction, top to bottom: Write copies bytes into a chain of
@@ -701,44 +704,122 @@ func (st *Stream) unreserveLocked(k int) {
 	}
 }
 
-// readSrc is r.Read(b) for ReadFrom, the caller holding wmu, with srcRead
-// set meanwhile so that a Close does not wait for it. It returns k < 0 if
+// readSrc is r.Read(b) for ReadFrom (see outside). It returns k < 0 if
 // the stream was closed meanwhile: the caller then ends the close. If it
-// was closed before, it reads nothing and returns ErrStreamClosed: that
-// Close waits for wmu.
+// was closed before, it reads nothing and returns ErrStreamClosed.
 func (st *Stream) readSrc(r io.Reader, b []byte) (k int, err error) {
+	var rerr error
+	closed, err := st.outside(func() { k, rerr = r.Read(b) })
+	switch {
+	case closed:
+		return -1, nil
+	case err != nil:
+		return 0, err
+	}
+	return k, rerr
+}
+
+// outside runs f, a call into ReadFrom's source that may block for as
+// long as the source has nothing to say, with srcRead set meanwhile so
+// that a Close does not wait for it. The caller holds wmu. It reports
+// closed if the stream was closed meanwhile: the caller then ends the
+// close. If it was closed before, it does not run f and returns
+// ErrStreamClosed: that Close came after the caller's last check, saw no
+// srcRead, and waits for wmu to end the close itself, so f could hold it
+// for ever.
+func (st *Stream) outside(f func()) (closed bool, err error) {
 	st.mu.Lock()
 	if st.state.has(stClosed) {
-		// A Close came after the reservation, saw no srcRead, and waits
-		// for wmu to end the close itself: a Read now could hold it for
-		// ever.
 		st.mu.Unlock()
-		return 0, ErrStreamClosed
+		return false, ErrStreamClosed
 	}
 	st.srcRead = true
 	st.mu.Unlock()
-	k, err = r.Read(b)
+	f()
 	st.mu.Lock()
 	st.srcRead = false
-	left := st.closeLeft
+	closed = st.closeLeft
 	st.closeLeft = false
 	st.mu.Unlock()
-	if left {
-		return -1, nil
-	}
-	return k, err
+	return closed, nil
 }
+
+// srcWaiter waits until a Read of ReadFrom's source, a socket, would not
+// block, so that ReadFrom takes shared memory only for bytes that are
+// there: a proxy's io.Copy(stream, conn) on a connection that is idle
+// between requests holds no slice.
+type srcWaiter struct {
+	rc   syscall.RawConn
+	fn   func(fd uintptr) bool // made once: a wait allocates nothing
+	peek [1]byte
+}
+
+// newSrcWaiter returns a srcWaiter for r if r is a *net.TCPConn or a
+// *net.UnixConn, or the wrapper of a *net.TCPConn through which
+// io.Copy(stream, conn) calls ReadFrom (TCPConn.WriteTo hands its copy
+// to io.Copy with its WriteTo hidden), else nil. Only those types: a
+// type of another package that wraps one may hold bytes of its own (a
+// bufio.Reader's) that the socket does not show, and then a wait for the
+// socket could last for ever.
+func newSrcWaiter(r io.Reader) *srcWaiter {
+	var sc syscall.Conn
+	switch c := r.(type) {
+	case *net.TCPConn:
+		sc = c
+	case *net.UnixConn:
+		sc = c
+	default:
+		t := reflect.TypeOf(r)
+		if t.PkgPath() != "net" || t.Name() != "tcpConnWithoutWriteTo" {
+			return nil
+		}
+		tc, ok := reflect.ValueOf(r).FieldByName("TCPConn").Interface().(*net.TCPConn)
+		if !ok || tc == nil {
+			return nil
+		}
+		sc = tc
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return nil
+	}
+	w := &srcWaiter{rc: rc}
+	w.fn = func(fd uintptr) bool {
+		for {
+			switch _, errno := peekDontWait(fd, w.peek[:]); errno {
+			case unix.EINTR:
+				continue
+			case unix.EAGAIN:
+				return false // the network poller waits for the socket
+			}
+			return true // bytes, the end, or an error, which Read returns
+		}
+	}
+	return w
+}
+
+// wait returns once a Read of the socket would not block: it has bytes,
+// its end or an error to report, its read deadline passed, or it was
+// closed. The Read that follows reports those.
+func (w *srcWaiter) wait() { _ = w.rc.Read(w.fn) }
 
 // ReadFrom reads from r until io.EOF or an error and sends what it reads,
 // each read as it comes: io.Copy(stream, r) uses it. r reads straight into
-// slices of shared memory, one copy less than Write from a buffer. It
-// returns the bytes sent, and nil at r's io.EOF, r's other errors, or
-// Write's. It holds the stream's write side meanwhile, as a TCPConn's
-// ReadFrom does: other writes wait, and the write deadline applies while
-// it waits for shared memory, not while r.Read blocks. A Close while r.Read
-// blocks returns at once (so does the session's Close); ReadFrom then
-// drops what that Read returns and returns ErrStreamClosed, and the
-// session keeps its memory mapped until then.
+// slices of shared memory, one copy less than Write from a buffer: up to
+// 64 KiB, or the largest slice size if less, per Read. It returns the
+// bytes sent, and nil at r's io.EOF, r's other errors, or Write's. It
+// holds the stream's write side meanwhile, as a TCPConn's ReadFrom does:
+// other writes wait, and the write deadline applies while it waits for
+// shared memory, not while r.Read blocks.
+//
+// When r is a *net.TCPConn or a *net.UnixConn, ReadFrom waits for r's
+// bytes in the network poller before it takes shared memory for them (r's
+// read deadline applies), so a connection that says nothing holds no
+// slice. Any other r's Read blocks holding the slice it reads into.
+//
+// A Close while r.Read blocks returns at once (so does the session's
+// Close); ReadFrom then drops what that Read returns and returns
+// ErrStreamClosed, and the session keeps its memory mapped until then.
 func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
@@ -746,8 +827,20 @@ func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 		return 0, err
 	}
 	size := min(maxEventBytes, max(st.s.MaxSliceSize(), 1))
+	src := newSrcWaiter(r)
+	full := false // the last Read filled its room: more is likely there
 	var n int64
 	for {
+		if src != nil && !full {
+			closed, err := st.outside(src.wait)
+			if closed {
+				st.forgetClosedLive() // nothing was reserved
+				return n, ErrStreamClosed
+			}
+			if err != nil {
+				return n, err
+			}
+		}
 		b, err := st.reserveLocked(size)
 		if err != nil {
 			return n, err
@@ -758,6 +851,7 @@ func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 			st.forgetClosedLive()
 			return n, ErrStreamClosed
 		}
+		full = k == size
 		st.unreserveLocked(size - k)
 		if k > 0 {
 			if err := st.flushLocked(); err != nil {

@@ -38,9 +38,10 @@ type Stream struct {
 	readCh   chan struct{}
 	closedCh chan struct{} // closed by the transition to closed
 	rdl, wdl deadline
-	// srcRead is set while ReadFrom waits in its reader's Read, holding
-	// wmu; a Close meanwhile does not wait for wmu but sets closeLeft,
-	// and ReadFrom ends the close once that Read returns (see Close).
+	// srcRead is set while ReadFrom waits on its source (its reader's
+	// Read, or a socket's bytes), holding wmu; a Close meanwhile does not
+	// wait for wmu but sets closeLeft, and ReadFrom ends the close once
+	// that wait returns (see Close and Stream.outside).
 	srcRead, closeLeft bool
 	// closing counts the Close under way (0 or 1; added under mu by the
 	// Close that made the transition), so that a session's Close that
@@ -298,10 +299,10 @@ func (st *Stream) notifyRead() {
 func (st *Stream) Close() error {
 	st.mu.Lock()
 	act, ok := st.transition(evClose, false)
-	// A ReadFrom waiting in its reader's Read holds wmu for as long as
-	// that takes, and reads into a slice of the region: Close does not
-	// wait for it, and leaves it the end of the close (closeLeft). Its
-	// writes of viaSocket came before it set srcRead under mu.
+	// A ReadFrom waiting on its source holds wmu for as long as that
+	// takes, and may read into a slice of the region: Close does not wait
+	// for it, and leaves it the end of the close (closeLeft). Its writes
+	// of viaSocket came before it set srcRead under mu.
 	inSrcRead := ok && st.srcRead
 	st.closeLeft = inSrcRead
 	if ok {
