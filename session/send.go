@@ -817,9 +817,10 @@ func (w *srcWaiter) wait() { _ = w.rc.Read(w.fn) }
 // read deadline applies), so a connection that says nothing holds no
 // slice. Any other r's Read blocks holding the slice it reads into.
 //
-// A Close while r.Read blocks returns at once (so does the session's
-// Close); ReadFrom then drops what that Read returns and returns
-// ErrStreamClosed, and the session keeps its memory mapped until then.
+// A Close while ReadFrom waits on r returns at once (so does the
+// session's Close). ReadFrom returns ErrStreamClosed once r has something
+// to say: it drops what a Read returned, and leaves a socket's bytes in
+// the socket. The session keeps its memory mapped until then.
 func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 	st.wmu.Lock()
 	defer st.wmu.Unlock()
