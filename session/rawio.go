@@ -35,20 +35,21 @@ import (
 // without telling the scheduler: a raw recvfrom(2) with MSG_DONTWAIT. It
 // returns the byte count and the call's errno (0 on success).
 func recvDontWait(fd uintptr, b []byte) (int, unix.Errno) {
-	n, _, errno := unix.RawSyscall6(unix.SYS_RECVFROM, fd,
-		uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)),
-		unix.MSG_DONTWAIT, 0, 0)
-	return int(n), errno
+	return recvRaw(fd, b, unix.MSG_DONTWAIT)
 }
 
-// peekDontWait receives into b from the socket fd, leaving the bytes in
-// the socket, without blocking and without telling the scheduler: a raw
-// recvfrom(2) with MSG_PEEK and MSG_DONTWAIT. It returns the byte count
-// (0 at the end of a stream) and the call's errno (0 on success).
+// peekDontWait is recvDontWait leaving the bytes in the socket
+// (MSG_PEEK); its byte count is 0 at the end of a stream.
 func peekDontWait(fd uintptr, b []byte) (int, unix.Errno) {
+	return recvRaw(fd, b, unix.MSG_PEEK|unix.MSG_DONTWAIT)
+}
+
+// recvRaw is a raw recvfrom(2) of the socket fd into b with flags, which
+// must hold MSG_DONTWAIT: the scheduler is not told of the call.
+func recvRaw(fd uintptr, b []byte, flags int) (int, unix.Errno) {
 	n, _, errno := unix.RawSyscall6(unix.SYS_RECVFROM, fd,
 		uintptr(unsafe.Pointer(unsafe.SliceData(b))), uintptr(len(b)),
-		unix.MSG_PEEK|unix.MSG_DONTWAIT, 0, 0)
+		uintptr(flags), 0, 0)
 	return int(n), errno
 }
 
