@@ -1198,3 +1198,83 @@ func BenchmarkIdle(b *testing.B) {
 		b.ReportMetric(float64(sess.Stats().WakeupsSent-w0), "wakeups")
 	}
 }
+
+// BenchmarkInProcess: BenchmarkPingPong's round trips with client and
+// server in the test process (an echo goroutine per connection), over
+// shmlink and a Unix socket, idle and contended: the path of two sessions
+// of one process (docs/protocol.md section 12.9). SetBytes counts both
+// messages; cpu-us/op is the process's CPU time per round trip.
+func BenchmarkInProcess(b *testing.B) {
+	contended(b, func(b *testing.B) {
+		for _, size := range []int{64, 4 << 10, 64 << 10} {
+			b.Run("PingPong/"+sizeName(size), func(b *testing.B) {
+				for _, transport := range []string{tShmlink, tUDS} {
+					b.Run(transport, func(b *testing.B) { inProcessPingPong(b, transport, size) })
+				}
+			})
+		}
+	})
+}
+
+// inProcessPingPong is one case of BenchmarkInProcess.
+func inProcessPingPong(b *testing.B, transport string, size int) {
+	path := filepath.Join(b.TempDir(), "s")
+	var ln net.Listener
+	var err error
+	if transport == tShmlink {
+		ln, err = shmlink.Listen("unix", path)
+	} else {
+		ln, err = net.Listen("unix", path)
+	}
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				io.Copy(conn, conn)
+			}()
+		}
+	}()
+	dial := net.Dial
+	if transport == tShmlink {
+		dial = shmlink.Dial
+	}
+	c, err := dial("unix", path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	buf := make([]byte, size)
+	rt := func() error {
+		if _, err := c.Write(buf); err != nil {
+			return err
+		}
+		_, err := io.ReadFull(c, buf)
+		return err
+	}
+	for range 10 { // warm up
+		if err := rt(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.SetBytes(2 * int64(size))
+	b.ReportAllocs()
+	cpu := peertest.NewCPUMeter(os.Getpid())
+	waits := newWaitStats(c)
+	b.ResetTimer()
+	cpu.Start(b)
+	for b.Loop() {
+		if err := rt(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	cpu.ReportCPU(b, b.N)
+	waits.report(b, b.N)
+}

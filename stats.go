@@ -12,6 +12,7 @@ func addStats(t *Stats, s session.Stats) {
 	t.EventsReceived += s.EventsReceived
 	t.WakeupsSent += s.WakeupsSent
 	t.WakeupsReceived += s.WakeupsReceived
+	t.LocalWakeups += s.LocalWakeups
 	t.FallbackWrites += s.FallbackWrites
 	t.FallbackReads += s.FallbackReads
 	t.QueueFull += s.QueueFull

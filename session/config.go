@@ -229,7 +229,10 @@ type Config struct {
 	// with one CPU online, or both bound to one CPU, as sched_getaffinity
 	// reports them when the session starts) does not poll whatever
 	// PollTime says: the peer could not run while a reader polled for its
-	// answer (section 12.8).
+	// answer (section 12.8). Nor does a session whose peer is a session of
+	// this process, over a Unix socket: its wakeups go to that session
+	// without a system call, and a wakeup costs less than a poll
+	// (section 12.9).
 	PollTime time.Duration
 
 	// StreamMemoryLimit is how many bytes of the buffer region one stream's
@@ -284,6 +287,10 @@ type Config struct {
 	// Logger receives session events (handshakes, protocol errors). Nil
 	// means silent.
 	Logger *slog.Logger
+
+	// socketWakes (tests only) keeps a session whose peer is this process
+	// waking it over the connection, as between two processes (local.go).
+	socketWakes bool
 }
 
 // Validate reports the first field of c that is out of range, as a

@@ -118,8 +118,13 @@ func (c *ctlWriter) writeRaw(fd uintptr) bool {
 
 // wake sends the peer a Polling (docs/protocol.md section 3.3) without
 // waiting for the connection: at once if it is free, else it is owed to
-// its holder.
+// its holder; to a peer session of this process, it hands the Polling to
+// that session instead (wakeLocal).
 func (s *Session) wake() {
+	if p := s.local.Load(); p != nil {
+		s.wakeLocal(p)
+		return
+	}
 	s.ctl.pollOwed.Store(true)
 	select {
 	case s.ctl.sem <- struct{}{}:

@@ -34,6 +34,8 @@ type memory struct {
 	sealed           bool     // the peer cannot shrink the memory (shm.SealShrink)
 	features         uint32   // what the peer marked: a client's server (markedFeatures), a server's client (clientFeatures)
 	unclaim          []func() // a server's shm.Claim of the peer's files, undone on release
+	queueID          fileID   // the queue's file: created by a client, mapped by a server
+	queueKnown       bool     // queueID was read
 }
 
 // release unmaps both mappings and removes the files still owned.
@@ -196,6 +198,7 @@ func createShared(cfg *Config, mt MemoryType, meta wire.ShmMetadata) (*memory, [
 	if mem.queueMem, err = shm.Map(int(files[1].Fd()), queueSize); err != nil {
 		return fail("map queue", err)
 	}
+	mem.queueID, mem.queueKnown = fileIDOf(int(files[1].Fd()))
 	// Formatting writes a header into every slice. A file's blocks were
 	// allocated when it was created (shm.CreateFile), but on a file
 	// system without fallocate a write may still find no room and fault:
@@ -455,6 +458,7 @@ func mapShared(bufFd, queueFd int) (_ *memory, err error) {
 	if mem.queueMem, err = shm.Map(queueFd, 0); err != nil {
 		return nil, handshakeError("map queue", err)
 	}
+	mem.queueID, mem.queueKnown = fileIDOf(queueFd)
 	if mem.region, err = buffer.Attach(mem.bufMem); err != nil {
 		return nil, handshakeError("buffer layout", err)
 	}

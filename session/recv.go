@@ -889,7 +889,10 @@ func (st *Stream) waitForData(want, have int) error {
 // nobody: the receive loop's wakeup of the reader is a second round of
 // the scheduler against the other processes. The caller holds rmu.
 func (st *Stream) selfWake(budget time.Duration) bool {
-	return budget <= 0 || st.s.cfg.PollTime <= 0 ||
+	if st.s.local.Load() != nil {
+		return false // no Polling comes on the connection (local.go)
+	}
+	return budget <= 0 || st.s.pollTime() <= 0 ||
 		(st.missRun >= busyMisses && hostBusy())
 }
 
@@ -964,10 +967,11 @@ const (
 // polls at all: Config.PollTime/stretchPolls (50 µs by default), at least
 // 1 ns; 0 or less when polling is off (docs/protocol.md section 12.7).
 func (s *Session) basePoll() time.Duration {
-	if p := s.cfg.PollTime; p > 0 {
+	p := s.pollTime()
+	if p > 0 {
 		return max(p/stretchPolls, 1)
 	}
-	return s.cfg.PollTime
+	return p
 }
 
 // stretched returns how long a poll for an answer lasts by what the
@@ -989,7 +993,7 @@ func (st *Stream) stretched(base time.Duration) time.Duration {
 	if want <= base || hostBusy() {
 		return base
 	}
-	return min(want, st.s.cfg.PollTime)
+	return min(want, st.s.pollTime())
 }
 
 // stretch returns the budget of a wait that polls for its answer, given

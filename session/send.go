@@ -520,7 +520,7 @@ func (s *Session) putEvent(m *memory, ev queue.Event, closed, cancel <-chan stru
 // since the caller holds shm.mu's read lock, which rx.mu's holders take
 // after it; a harvest in progress skips the lease.
 func (s *Session) expectReply(m *memory) {
-	if s.cfg.PollTime <= 0 || s.rx.waiters.Load() != 0 || m.recv.Working() || !s.rx.mu.TryLock() {
+	if s.pollTime() <= 0 || s.rx.waiters.Load() != 0 || m.recv.Working() || !s.rx.mu.TryLock() {
 		return
 	}
 	leased := s.rx.waiters.Load() == 0

@@ -48,6 +48,20 @@ type Session struct {
 	// marker, marker.go): a refused stream's close says so (section 11).
 	closeReasons bool
 
+	// poll is the Config.PollTime in effect, in ns: -1 (off) when both
+	// processes run on one CPU (sharesOneCPU) or once the session pairs
+	// with its peer in this process (local.go).
+	poll atomic.Int64
+
+	// localPeer is set when the peer is this process (peerIsSelf) and
+	// the queue's file is known: local, once set, is the peer's session,
+	// to whose harvester (localWake) wakes go (local.go).
+	localPeer    bool
+	localID      fileID
+	local        atomic.Pointer[Session]
+	localWake    chan struct{}
+	localPending atomic.Uint64 // wakes handed over and not yet harvested
+
 	dead        chan struct{} // closed when the session ends, for any reason
 	closeOnce   sync.Once     // runs fail's ending once
 	closeCalled atomic.Bool   // set by the first Close
@@ -244,6 +258,7 @@ func start(ctx context.Context, conn net.Conn, cfg *Config, isClient bool) (*Ses
 		},
 		dead: make(chan struct{}),
 	}
+	s.poll.Store(int64(c.PollTime))
 	s.rx.init(s)
 	s.shm.init(mem, &c)
 	s.announces = isClient && mem.features&featAnnounce != 0
@@ -251,6 +266,11 @@ func start(ctx context.Context, conn net.Conn, cfg *Config, isClient bool) (*Ses
 	c.Logger.Debug("shmlink: session started", "client", isClient, "version", version,
 		"remote", conn.RemoteAddr(), "buffer", len(mem.bufMem), "queue", len(mem.queueMem))
 	s.startKeepAlive()
+	if mem.queueKnown && !c.socketWakes && peerIsSelf(conn) {
+		s.localPeer = true
+		s.localWake = make(chan struct{}, 1)
+		s.pairLocal(mem.queueID)
+	}
 	go s.recvLoop()
 	return s, nil
 }
@@ -281,6 +301,10 @@ func (m *sharedMem) init(mem *memory, c *Config) {
 		m.sessionLimit = len(mem.bufMem) / 2
 	}
 }
+
+// pollTime returns how long a reader may poll for data at most: the
+// Config.PollTime in effect (Session.poll); 0 or less when polling is off.
+func (s *Session) pollTime() time.Duration { return time.Duration(s.poll.Load()) }
 
 // withMem runs f with the mapping read-locked, or returns the session's
 // error without running it once the memory is unmapped. A fault on the
@@ -546,6 +570,7 @@ func (s *Session) fail(err error) {
 		s.mu.Unlock()
 		s.tk.stop()
 		s.stopKeepAlive()
+		s.unpairLocal()
 		switch {
 		case errors.Is(err, ErrProtocol) || errors.Is(err, buffer.ErrCorrupt) || errors.Is(err, queue.ErrCorrupt):
 			s.cfg.Logger.Warn("shmlink: session ended", "remote", s.conn.RemoteAddr(), "err", err)

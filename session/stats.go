@@ -9,8 +9,9 @@ type Stats struct {
 	BytesReceived   uint64 // stream bytes received from the peer, both paths
 	EventsSent      uint64 // IO-queue events put (data and close)
 	EventsReceived  uint64 // IO-queue events popped
-	WakeupsSent     uint64 // Polling messages sent
-	WakeupsReceived uint64 // Polling messages received
+	WakeupsSent     uint64 // Polling messages sent, LocalWakeups included
+	WakeupsReceived uint64 // Polling messages received, local wakeups included
+	LocalWakeups    uint64 // of WakeupsSent: handed to the peer session in this process, not sent (docs/protocol.md section 12.9)
 	FallbackWrites  uint64 // FallbackData messages sent
 	FallbackReads   uint64 // FallbackData messages received
 	QueueFull       uint64 // puts that found the send queue full
@@ -31,6 +32,7 @@ type counters struct {
 	bytesSent, bytesReceived     atomic.Uint64
 	eventsSent, eventsReceived   atomic.Uint64
 	wakeupsSent, wakeupsReceived atomic.Uint64
+	localWakeups                 atomic.Uint64
 	fallbackWrites, fallbackRead atomic.Uint64
 	queueFull, memoryFull        atomic.Uint64
 	spilled                      atomic.Uint64
@@ -49,6 +51,7 @@ func (s *Session) Stats() Stats {
 		EventsReceived:  s.ctr.eventsReceived.Load(),
 		WakeupsSent:     s.ctr.wakeupsSent.Load(),
 		WakeupsReceived: s.ctr.wakeupsReceived.Load(),
+		LocalWakeups:    s.ctr.localWakeups.Load(),
 		FallbackWrites:  s.ctr.fallbackWrites.Load(),
 		FallbackReads:   s.ctr.fallbackRead.Load(),
 		QueueFull:       s.ctr.queueFull.Load(),

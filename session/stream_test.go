@@ -25,8 +25,38 @@ func pair(t testing.TB, cfg *Config) (client, server *Session) {
 	return pairWith(t, cfg, cfg)
 }
 
-// pairWith is pair with a Config for each side.
+// pairWith is pair with a Config for each side. The two sessions wake
+// each other over the connection, as two processes do; localPairWith
+// lets them pair as sessions of one process do (local.go).
 func pairWith(t testing.TB, ccfg, scfg *Config) (client, server *Session) {
+	t.Helper()
+	return connectPair(t, socketWakes(ccfg), socketWakes(scfg))
+}
+
+// socketWakes returns a copy of cfg (nil: the defaults) whose session
+// wakes its peer over the connection even when the peer is this process.
+func socketWakes(cfg *Config) *Config {
+	c := Config{}
+	if cfg != nil {
+		c = *cfg
+	}
+	c.socketWakes = true
+	return &c
+}
+
+// localPairWith is pairWith for sessions that pair with each other
+// (local.go): their wakes skip the connection.
+func localPairWith(t testing.TB, ccfg, scfg *Config) (client, server *Session) {
+	t.Helper()
+	client, server = connectPair(t, ccfg, scfg)
+	require.Same(t, server, client.local.Load(), "the client pairs with the server")
+	require.Same(t, client, server.local.Load(), "the server pairs with the client")
+	return client, server
+}
+
+// connectPair connects a client and a server session over a Unix
+// socketpair, closed when the test ends.
+func connectPair(t testing.TB, ccfg, scfg *Config) (client, server *Session) {
 	t.Helper()
 	cc, sc := socketPair(t)
 	type result struct {

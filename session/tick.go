@@ -306,7 +306,7 @@ func (s *Session) leaseTick(now time.Duration) (held, ended bool) {
 	if !s.rx.leased.Load() {
 		return false, false
 	}
-	if now-tk.leaseCheck < s.cfg.PollTime {
+	if now-tk.leaseCheck < s.pollTime() {
 		return true, false
 	}
 	tk.leaseCheck = now
