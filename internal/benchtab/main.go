@@ -259,6 +259,12 @@ func busyRows() []row {
 		p := "BenchmarkInProcessGRPC/unary/64B/c" + callers + "/"
 		add("gRPC unary 64 B, "+count(callers, "caller")+", in one process", p+"shmlink", p+"uds", "calls/s")
 	}
+	for _, load := range []string{"idle", "contended"} {
+		for _, size := range []string{"64B", "64KB"} {
+			p := "BenchmarkInProcess/" + load + "/PingPong/" + size + "/"
+			add(spaced(size)+" ping-pong, in one process, "+load, p+"shmlink", p+"uds", "ns/op")
+		}
+	}
 	return rows
 }
 
