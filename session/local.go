@@ -76,8 +76,8 @@ func (s *Session) pairLocal(id fileID) {
 	if p.isClient == s.isClient || p.Err() != nil {
 		return
 	}
-	p.poll.Store(-1)
-	s.poll.Store(-1)
+	p.pollOff.Store(true)
+	s.pollOff.Store(true)
 	p.local.Store(s)
 	s.local.Store(p)
 	go p.localHarvest()

@@ -48,10 +48,9 @@ type Session struct {
 	// marker, marker.go): a refused stream's close says so (section 11).
 	closeReasons bool
 
-	// poll is the Config.PollTime in effect, in ns: -1 (off) when both
-	// processes run on one CPU (sharesOneCPU) or once the session pairs
-	// with its peer in this process (local.go).
-	poll atomic.Int64
+	// pollOff turns polling off once the session pairs with its peer in
+	// this process (local.go), whatever Config.PollTime says (pollTime).
+	pollOff atomic.Bool
 
 	// localPeer is set when the peer is this process (peerIsSelf) and
 	// the queue's file is known: local, once set, is the peer's session,
@@ -258,7 +257,6 @@ func start(ctx context.Context, conn net.Conn, cfg *Config, isClient bool) (*Ses
 		},
 		dead: make(chan struct{}),
 	}
-	s.poll.Store(int64(c.PollTime))
 	s.rx.init(s)
 	s.shm.init(mem, &c)
 	s.announces = isClient && mem.features&featAnnounce != 0
@@ -302,9 +300,16 @@ func (m *sharedMem) init(mem *memory, c *Config) {
 	}
 }
 
-// pollTime returns how long a reader may poll for data at most: the
-// Config.PollTime in effect (Session.poll); 0 or less when polling is off.
-func (s *Session) pollTime() time.Duration { return time.Duration(s.poll.Load()) }
+// pollTime returns how long a reader may poll for data at most:
+// Config.PollTime (-1 when both processes run on one CPU, sharesOneCPU),
+// or -1 once the session paired with its peer in this process (pollOff);
+// 0 or less means polling is off.
+func (s *Session) pollTime() time.Duration {
+	if s.pollOff.Load() {
+		return -1
+	}
+	return s.cfg.PollTime
+}
 
 // withMem runs f with the mapping read-locked, or returns the session's
 // error without running it once the memory is unmapped. A fault on the
