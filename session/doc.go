@@ -24,12 +24,17 @@
 //     and ends once its streams are done (docs/protocol.md section 5).
 //   - unmap: release the shared memory once the session ended and no stream
 //     can read from it.
+//   - pair: a client and a server session of one process find each other
+//     by their queue's file and hand each other their wakeups instead of
+//     Pollings (local.go, docs/protocol.md section 12.9).
 //
 // # Goroutines
 //
 //   - The receive loop (recvLoop), one per session: reads control messages,
 //     harvests after a Polling, delivers StreamClose and FallbackData, and
 //     answers hot restart messages. It ends when the connection does.
+//   - The harvester (localHarvest), one per paired session: harvests for
+//     the wakeups its peer session hands it. It ends with the session.
 //   - Application goroutines calling Stream and Session methods. A reader
 //     may spin and harvest in place of the receive loop (Stream.spin), and
 //     a reader whose waits run long reads the control connection in its
