@@ -569,14 +569,22 @@ func pingPong(b *testing.B, transport string, size int) {
 	defer bc.close()
 	rt, c := newPingPonger(b, bc, transport, size)
 	defer c.Close()
-	for range 10 { // warm up: first slices, buffers, windows
+	measureRoundTrips(b, rt, c, size, benchCPU(b))
+}
+
+// measureRoundTrips warms rt up with 10 round trips (first slices,
+// buffers, windows), then runs it b.N times, reporting 2*size bytes and
+// the allocations per round trip, the CPU time of cpu's processes per
+// round trip, and how the reader of c (a shmlink stream) waited
+// (waitStats).
+func measureRoundTrips(b *testing.B, rt pingPonger, c any, size int, cpu *peertest.CPUMeter) {
+	for range 10 {
 		if err := rt(); err != nil {
 			b.Fatal(err)
 		}
 	}
 	b.SetBytes(2 * int64(size))
 	b.ReportAllocs()
-	cpu := benchCPU(b)
 	waits := newWaitStats(c)
 	b.ResetTimer()
 	cpu.Start(b)
@@ -1259,22 +1267,5 @@ func inProcessPingPong(b *testing.B, transport string, size int) {
 		_, err := io.ReadFull(c, buf)
 		return err
 	}
-	for range 10 { // warm up
-		if err := rt(); err != nil {
-			b.Fatal(err)
-		}
-	}
-	b.SetBytes(2 * int64(size))
-	b.ReportAllocs()
-	cpu := peertest.NewCPUMeter(os.Getpid())
-	waits := newWaitStats(c)
-	b.ResetTimer()
-	cpu.Start(b)
-	for b.Loop() {
-		if err := rt(); err != nil {
-			b.Fatal(err)
-		}
-	}
-	cpu.ReportCPU(b, b.N)
-	waits.report(b, b.N)
+	measureRoundTrips(b, rt, c, size, peertest.NewCPUMeter(os.Getpid()))
 }
