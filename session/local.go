@@ -105,11 +105,11 @@ var pairHook atomic.Pointer[func(*Session)]
 // harvester (localHarvest) harvests as the receive loop would on reading
 // one. It never blocks: wakes that come while the harvester has not yet
 // taken the last one make one harvest, which covers the events put before
-// each of them.
+// each of them. It leaves ctlWriter.wokeAt alone: paired sessions do not
+// poll, and only polls read it (wokePeerAt).
 func (s *Session) wakeLocal(p *Session) {
 	s.ctr.wakeupsSent.Add(1)
 	s.ctr.localWakeups.Add(1)
-	s.ctl.wokeAt.Store(int64(s.tk.now()))
 	p.localPending.Add(1)
 	signal(p.localWake)
 }
