@@ -30,12 +30,12 @@ type memory struct {
 	bufMem, queueMem []byte
 	region           *buffer.Region
 	send, recv       *queue.Ring
-	remove           []string // file paths this side created and still has to unlink
-	sealed           bool     // the peer cannot shrink the memory (shm.SealShrink)
-	features         uint32   // what the peer marked: a client's server (markedFeatures), a server's client (clientFeatures)
-	unclaim          []func() // a server's shm.Claim of the peer's files, undone on release
-	queueID          fileID   // the queue's file: created by a client, mapped by a server
-	queueKnown       bool     // queueID was read
+	remove           []string   // file paths this side created and still has to unlink
+	sealed           bool       // the peer cannot shrink the memory (shm.SealShrink)
+	features         uint32     // what the peer marked: a client's server (markedFeatures), a server's client (clientFeatures)
+	unclaim          []func()   // a server's shm.Claim of the peer's files, undone on release
+	queueID          shm.FileID // the queue's file: created by a client, mapped by a server
+	queueKnown       bool       // queueID was read
 }
 
 // release unmaps both mappings and removes the files still owned.
@@ -198,7 +198,9 @@ func createShared(cfg *Config, mt MemoryType, meta wire.ShmMetadata) (*memory, [
 	if mem.queueMem, err = shm.Map(int(files[1].Fd()), queueSize); err != nil {
 		return fail("map queue", err)
 	}
-	mem.queueID, mem.queueKnown = fileIDOf(int(files[1].Fd()))
+	var idErr error
+	mem.queueID, idErr = shm.IDOf(int(files[1].Fd()))
+	mem.queueKnown = idErr == nil
 	// Formatting writes a header into every slice. A file's blocks were
 	// allocated when it was created (shm.CreateFile), but on a file
 	// system without fallocate a write may still find no room and fault:
@@ -458,7 +460,9 @@ func mapShared(bufFd, queueFd int) (_ *memory, err error) {
 	if mem.queueMem, err = shm.Map(queueFd, 0); err != nil {
 		return nil, handshakeError("map queue", err)
 	}
-	mem.queueID, mem.queueKnown = fileIDOf(queueFd)
+	var idErr error
+	mem.queueID, idErr = shm.IDOf(queueFd)
+	mem.queueKnown = idErr == nil
 	if mem.region, err = buffer.Attach(mem.bufMem); err != nil {
 		return nil, handshakeError("buffer layout", err)
 	}

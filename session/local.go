@@ -6,8 +6,7 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"golang.org/x/sys/unix"
-
+	"github.com/shmlink/shmlink/internal/shm"
 	"github.com/shmlink/shmlink/internal/sock"
 )
 
@@ -21,18 +20,6 @@ import (
 // the Polling. Nothing changes on the wire: the two sessions still map the
 // same queue, and every other message still goes over the connection.
 
-// fileID names a file by device and inode.
-type fileID struct{ dev, ino uint64 }
-
-// fileIDOf returns the file behind fd, ok false if fstat fails.
-func fileIDOf(fd int) (id fileID, ok bool) {
-	var st unix.Stat_t
-	if unix.Fstat(fd, &st) != nil {
-		return id, false
-	}
-	return fileID{uint64(st.Dev), uint64(st.Ino)}, true
-}
-
 // localPairs holds the sessions of this process whose peer is this
 // process too and has not been paired with them yet, by the file of
 // their queue: a client's is the one it created, a server's the one it
@@ -40,8 +27,8 @@ func fileIDOf(fd int) (id fileID, ok bool) {
 // client and a server, are the two ends of one connection.
 var localPairs = struct {
 	sync.Mutex
-	m map[fileID]*Session
-}{m: make(map[fileID]*Session)}
+	m map[shm.FileID]*Session
+}{m: make(map[shm.FileID]*Session)}
 
 // peerIsSelf reports whether the process at the other end of conn is this
 // one: conn is a Unix socket whose peer's pid (SO_PEERCRED) is ours.
@@ -60,7 +47,7 @@ func peerIsSelf(conn net.Conn) bool {
 // queue file is id, and pairs it with its peer session if that one
 // recorded itself first: from then on each one's wakes go to the other's
 // harvester (wake). It runs before the session is used.
-func (s *Session) pairLocal(id fileID) {
+func (s *Session) pairLocal(id shm.FileID) {
 	if h := pairHook.Load(); h != nil {
 		(*h)(s)
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/shmlink/shmlink/buffer"
+	"github.com/shmlink/shmlink/internal/shm"
 	"github.com/shmlink/shmlink/queue"
 )
 
@@ -56,7 +57,7 @@ type Session struct {
 	// the queue's file is known: local, once set, is the peer's session,
 	// to whose harvester (localWake) wakes go (local.go).
 	localPeer    bool
-	localID      fileID
+	localID      shm.FileID
 	local        atomic.Pointer[Session]
 	localWake    chan struct{}
 	localPending atomic.Uint64 // wakes handed over and not yet harvested

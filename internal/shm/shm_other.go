@@ -16,6 +16,9 @@ func RemoveStale(path string) bool { return false }
 // Claim returns ErrUnsupported on this platform.
 func Claim(fd int) (release func(), err error) { return nil, ErrUnsupported }
 
+// IDOf returns ErrUnsupported on this platform.
+func IDOf(fd int) (FileID, error) { return FileID{}, ErrUnsupported }
+
 // SealShrink reports false on this platform.
 func SealShrink(fd int) bool { return false }
 
