@@ -34,7 +34,8 @@
 //     harvests after a Polling, delivers StreamClose and FallbackData, and
 //     answers hot restart messages. It ends when the connection does.
 //   - The harvester (localHarvest), one per paired session: harvests for
-//     the wakeups its peer session hands it. It ends with the session.
+//     the wakeups its peer session hands it while no reader sleeps in its
+//     place (sleepLocal). It ends with the session.
 //   - Application goroutines calling Stream and Session methods. A reader
 //     may spin and harvest in place of the receive loop (Stream.spin), and
 //     a reader whose waits run long reads the control connection in its

@@ -94,11 +94,72 @@ var pairHook atomic.Pointer[func(*Session)]
 // taken the last one make one harvest, which covers the events put before
 // each of them. It leaves ctlWriter.wokeAt alone: paired sessions do not
 // poll, and only polls read it (wokePeerAt).
+//
+// When a reader of p sleeps for its data (sleepLocal), the wake goes to
+// that reader, which harvests for the session itself: it runs after one
+// goroutine switch, not two (issue #16's item 3, as a reader that reads
+// the control connection itself does between processes).
 func (s *Session) wakeLocal(p *Session) {
 	s.ctr.wakeupsSent.Add(1)
 	s.ctr.localWakeups.Add(1)
 	p.localPending.Add(1)
+	if p.localSleeper.Load() != nil {
+		if r := p.localSleeper.Swap(nil); r != nil {
+			signal(r.readCh)
+			return
+		}
+	}
 	signal(p.localWake)
+}
+
+// sleepLocal puts st's reader, about to sleep on st.readCh in a session
+// paired in this process, in the place of the session's harvester for
+// the next wake (wakeLocal), unless another reader holds that place; it
+// reports whether it did. The caller then sleeps on st.readCh and calls
+// wokeLocal when it wakes.
+func (st *Stream) sleepLocal() bool {
+	s := st.s
+	return s.local.Load() != nil && s.localSleeper.CompareAndSwap(nil, st)
+}
+
+// wokeLocal ends the sleep that sleepLocal began, once st.readCh has
+// woken the reader. If a wake took the reader out of the sleeper's place
+// (wakeLocal), the reader harvests, as localHarvest would, and counts in
+// Stats.SelfWakes: the harvest covers every wake counted in
+// localPending, and one that the harvester has taken already is being
+// harvested there. The reader harvests one batch (harvestBatch) and
+// leaves the rest of a long queue to the harvester, so that its read
+// deadline is not held up by a peer that keeps putting events. It ends
+// the session if the receive queue is corrupt. The caller holds rmu and
+// counts in rx.waiters.
+func (st *Stream) wokeLocal() {
+	s := st.s
+	if s.localSleeper.CompareAndSwap(st, nil) {
+		return // woken by its data, a close or a deadline
+	}
+	n := s.localPending.Swap(0)
+	if n == 0 {
+		return
+	}
+	more, err := s.harvestBatch()
+	s.ctr.wakeupsReceived.Add(n)
+	s.ctr.selfWakes.Add(1)
+	// The harvest signalled st.readCh if it delivered to st: the caller
+	// sees that delivery when it looks at the stream again, and the
+	// signal left over would only wake its next wait at once, for
+	// nothing. Whatever else signals readCh (a close, the deadline, the
+	// session's end) is seen there too.
+	select {
+	case <-st.readCh:
+	default:
+	}
+	if err != nil {
+		s.failOp("harvest", err)
+		return
+	}
+	if more {
+		signal(s.localWake)
+	}
 }
 
 // localHarvest is the harvester goroutine of a session paired with its

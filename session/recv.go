@@ -206,13 +206,7 @@ func (s *Session) handle(h wire.Header, payload []byte) error {
 // keep it busy past the session's end.
 func (s *Session) harvest() error {
 	for {
-		more := false
-		s.rx.mu.Lock()
-		err := s.withMem(func(m *memory) (err error) {
-			more, err = s.harvestLocked(m, true)
-			return err
-		})
-		s.rx.mu.Unlock()
+		more, err := s.harvestBatch()
 		if err != nil || !more {
 			return err
 		}
@@ -221,6 +215,19 @@ func (s *Session) harvest() error {
 		}
 		runtime.Gosched() // let readers and Close have the queue between batches
 	}
+}
+
+// harvestBatch is one round of harvest: it pops at most maxHarvest events
+// and dispatches them, and settles the working flag once the queue is
+// empty; more reports that it stopped at that bound.
+func (s *Session) harvestBatch() (more bool, err error) {
+	s.rx.mu.Lock()
+	err = s.withMem(func(m *memory) (err error) {
+		more, err = s.harvestLocked(m, true)
+		return err
+	})
+	s.rx.mu.Unlock()
+	return more, err
 }
 
 // maxHarvest is the most events one call of harvestLocked pops.
@@ -858,7 +865,11 @@ func (st *Stream) waitForData(want, have int) error {
 		// sleep on costs less than a select of five (64 streams of 64 B:
 		// selectgo and its channel locks took 16 % of the client).
 		if freed == nil {
+			self := st.sleepLocal()
 			<-st.readCh
+			if self {
+				st.wokeLocal()
+			}
 		} else {
 			select {
 			case <-st.readCh:

@@ -61,6 +61,10 @@ type Session struct {
 	local        atomic.Pointer[Session]
 	localWake    chan struct{}
 	localPending atomic.Uint64 // wakes handed over and not yet harvested
+	// localSleeper is a reader of this session asleep in waitForData that
+	// harvests the next wake itself, in place of the harvester goroutine
+	// (local.go, sleepLocal), or nil.
+	localSleeper atomic.Pointer[Stream]
 
 	dead        chan struct{} // closed when the session ends, for any reason
 	closeOnce   sync.Once     // runs fail's ending once

@@ -22,7 +22,7 @@ type Stats struct {
 	SpinHits        uint64 // reader waits that ended while spinning (docs/protocol.md section 12)
 	SpinMisses      uint64 // spins that ran out of their budget (Config.PollTime at most) before data came
 	Parks           uint64 // reader waits that slept until a Polling (or the receive loop) delivered
-	SelfWakes       uint64 // of Parks: the reader read the control connection itself (docs/protocol.md section 12.1)
+	SelfWakes       uint64 // of Parks: the reader took its wakeup itself: it read the control connection (docs/protocol.md section 12.1), or harvested a local wakeup (section 12.9)
 	ActiveStreams   int    // streams the session tracks now
 	SlicesInUse     []int  // allocated slices per buffer list, by both sides
 }
