@@ -876,6 +876,15 @@ func paced(b *testing.B, transport string, gap time.Duration) {
 	defer bc.close()
 	rt, c := newPingPonger(b, bc, transport, 64)
 	defer c.Close()
+	measurePaced(b, rt, c, gap, benchCPU(b))
+}
+
+// measurePaced warms rt up with 10 round trips, then runs it b.N times,
+// each after a pause of gap (pauser), and reports the round trips' p50
+// and p99 (the pauses not counted), the CPU time of cpu's processes per
+// round trip, and how the reader of c (a shmlink stream) waited
+// (waitStats).
+func measurePaced(b *testing.B, rt pingPonger, c any, gap time.Duration, cpu *peertest.CPUMeter) {
 	for range 10 {
 		if err := rt(); err != nil {
 			b.Fatal(err)
@@ -883,7 +892,6 @@ func paced(b *testing.B, transport string, gap time.Duration) {
 	}
 	lat := make(peertest.Latencies, 0, b.N)
 	b.ReportAllocs()
-	cpu := benchCPU(b)
 	waits := newWaitStats(c)
 	b.ResetTimer()
 	cpu.Start(b)
@@ -1211,21 +1219,38 @@ func BenchmarkIdle(b *testing.B) {
 // server in the test process (an echo goroutine per connection), over
 // shmlink and a Unix socket, idle and contended: the path of two sessions
 // of one process (docs/protocol.md section 12.9). SetBytes counts both
-// messages; cpu-us/op is the process's CPU time per round trip.
+// messages; cpu-us/op is the process's CPU time per round trip. Paced is
+// BenchmarkPaced's case in one process: 64 B round trips with a pause of
+// 1 ms before each, reporting p50 and p99.
 func BenchmarkInProcess(b *testing.B) {
 	contended(b, func(b *testing.B) {
 		for _, size := range []int{64, 4 << 10, 64 << 10} {
 			b.Run("PingPong/"+sizeName(size), func(b *testing.B) {
 				for _, transport := range []string{tShmlink, tUDS} {
-					b.Run(transport, func(b *testing.B) { inProcessPingPong(b, transport, size) })
+					b.Run(transport, func(b *testing.B) {
+						rt, c := inProcessPingPonger(b, transport, size)
+						measureRoundTrips(b, rt, c, size, peertest.NewCPUMeter(os.Getpid()))
+					})
 				}
 			})
 		}
+		gap := time.Millisecond
+		b.Run("Paced/gap="+gap.String(), func(b *testing.B) {
+			for _, transport := range []string{tShmlink, tUDS} {
+				b.Run(transport, func(b *testing.B) {
+					rt, c := inProcessPingPonger(b, transport, 64)
+					measurePaced(b, rt, c, gap, peertest.NewCPUMeter(os.Getpid()))
+				})
+			}
+		})
 	})
 }
 
-// inProcessPingPong is one case of BenchmarkInProcess.
-func inProcessPingPong(b *testing.B, transport string, size int) {
+// inProcessPingPonger returns the round trip of size bytes of a case of
+// BenchmarkInProcess and its client connection: a listener in the test
+// process, an echo goroutine per accepted connection, and a dialed
+// client, all closed when the benchmark ends.
+func inProcessPingPonger(b *testing.B, transport string, size int) (pingPonger, net.Conn) {
 	path := filepath.Join(b.TempDir(), "s")
 	var ln net.Listener
 	var err error
@@ -1237,7 +1262,7 @@ func inProcessPingPong(b *testing.B, transport string, size int) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer ln.Close()
+	b.Cleanup(func() { ln.Close() })
 	go func() {
 		for {
 			conn, err := ln.Accept()
@@ -1258,7 +1283,7 @@ func inProcessPingPong(b *testing.B, transport string, size int) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer c.Close()
+	b.Cleanup(func() { c.Close() })
 	buf := make([]byte, size)
 	rt := func() error {
 		if _, err := c.Write(buf); err != nil {
@@ -1267,5 +1292,5 @@ func inProcessPingPong(b *testing.B, transport string, size int) {
 		_, err := io.ReadFull(c, buf)
 		return err
 	}
-	measureRoundTrips(b, rt, c, size, peertest.NewCPUMeter(os.Getpid()))
+	return rt, c
 }

@@ -265,6 +265,10 @@ func busyRows() []row {
 			add(spaced(size)+" ping-pong, in one process, "+load, p+"shmlink", p+"uds", "ns/op")
 		}
 	}
+	for _, load := range []string{"idle", "contended"} {
+		p := "BenchmarkInProcess/" + load + "/Paced/gap=1ms/"
+		add("paced 1 ms, in one process, "+load+", p50 (p99)", p+"shmlink", p+"uds", "p50-us")
+	}
 	return rows
 }
 
