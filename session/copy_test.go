@@ -3,6 +3,7 @@ package session
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"hash/crc32"
 	"io"
 	"net"
@@ -131,9 +132,9 @@ func blockedReadFrom(t *testing.T, st *Stream) (*io.PipeWriter, <-chan error) {
 // Close does not wait for a ReadFrom blocked in its reader's Read (a
 // proxy's io.Copy(stream, conn) torn down from another goroutine): the
 // peer reads the end of the stream at once, ReadFrom returns
-// ErrStreamClosed once the Read returns, and the slice it read into is
-// freed then. Before, Close waited on the write side that ReadFrom held
-// until its reader returned.
+// ErrStreamClosed once the Read returns, dropping what it read, and no
+// slice stays in use. Before, Close waited on the write side that
+// ReadFrom held until its reader returned.
 func TestCloseDuringReadFrom(t *testing.T) {
 	client, server := pair(t, nil)
 	c, s := streamPair(t, client, server)
@@ -185,8 +186,8 @@ func (r *closingSource) Read(p []byte) (int, error) {
 	return 1, nil
 }
 
-// A Close that comes between two of ReadFrom's Reads, after its
-// reservation, finds no Read under way and waits for the write side to
+// A Close that comes between two of ReadFrom's Reads finds no Read under
+// way and waits for the write side to
 // end the close itself: ReadFrom must then not begin the next Read, which
 // could hold that Close for ever. The window is a few instructions wide,
 // so the test tries it many times, at varying points of the copy.
@@ -216,6 +217,75 @@ func TestCloseBetweenReadFromReads(t *testing.T) {
 		close(src.release)
 		require.ErrorIs(t, result(t, copied), ErrStreamClosed)
 		require.NoError(t, s.Close())
+	}
+}
+
+// io.Copy(stream, r) from readers that are not sockets (pipes here; a
+// proxy's tls.Conn) holds no shared memory while they say nothing:
+// ReadFrom reads them into a heap buffer until a Read fills it. Before,
+// each such copy held a slice of up to 64 KiB in its Read, and 40 of them
+// held more than a 1 MiB region: the later ones, and every other
+// writer, waited for space. Bytes still arrive in order, a Read that
+// fills the buffer sends the next ones straight through slices, and the
+// reader's end ends ReadFrom with nil.
+func TestReadFromIdleReaderHoldsNoSlice(t *testing.T) {
+	client, server := pair(t, &Config{BufferSize: 1 << 20})
+	const idle = 40
+	type idleCopy struct {
+		c, s *Stream
+		pw   *io.PipeWriter
+		done chan error
+		n    int64
+	}
+	copies := make([]*idleCopy, idle)
+	for i := range copies {
+		c, s := streamPair(t, client, server)
+		pr, pw := io.Pipe()
+		t.Cleanup(func() { pw.Close() })
+		cp := &idleCopy{c: c, s: s, pw: pw, done: make(chan error, 1)}
+		go func() {
+			n, err := c.ReadFrom(pr)
+			cp.n = n
+			cp.done <- err
+		}()
+		waitsInSource(t, c)
+		copies[i] = cp
+	}
+	releaseWarm(client, server)
+	eventually(t, func() bool { return sum(client.Stats().SlicesInUse) == 0 }, "no slice in use while the readers say nothing")
+
+	// Another stream writes through shared memory meanwhile.
+	c, s := streamPair(t, client, server)
+	msg := randomBytes(512<<10, 3)
+	full := client.Stats().MemoryFull
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := c.Write(msg)
+		wrote <- err
+	}()
+	got := make([]byte, len(msg))
+	_, err := io.ReadFull(s, got)
+	require.NoError(t, err)
+	require.NoError(t, result(t, wrote))
+	require.Equal(t, msg, got)
+	require.Equal(t, full, client.Stats().MemoryFull, "the write found the region full")
+
+	// Small writes, then bulk, then the end, through each source.
+	for i, cp := range copies {
+		small := []byte(fmt.Sprintf("copy %d", i))
+		bulk := randomBytes(200<<10, uint64(i))
+		go func() {
+			cp.pw.Write(small)
+			cp.pw.Write(bulk)
+			cp.pw.Close()
+		}()
+		want := append(small, bulk...)
+		got := make([]byte, len(want))
+		_, err := io.ReadFull(cp.s, got)
+		require.NoError(t, err)
+		require.Equal(t, want, got, "copy %d", i)
+		require.NoError(t, result(t, cp.done))
+		require.EqualValues(t, len(want), cp.n)
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"net"
 	"reflect"
 	"runtime"
+	"sync"
 	"syscall"
 	"time"
 
@@ -744,6 +745,13 @@ func (st *Stream) outside(f func()) (closed bool, err error) {
 	return closed, nil
 }
 
+// stagePool holds the heap buffers (maxEventBytes each) into which
+// ReadFrom reads sources that are not sockets until a Read fills one.
+var stagePool = sync.Pool{New: func() any {
+	b := make([]byte, maxEventBytes)
+	return &b
+}}
+
 // srcWaiter waits until a Read of ReadFrom's source, a socket, would not
 // block, so that ReadFrom takes shared memory only for bytes that are
 // there: a proxy's io.Copy(stream, conn) on a connection that is idle
@@ -812,10 +820,16 @@ func (w *srcWaiter) wait() { _ = w.rc.Read(w.fn) }
 // other writes wait, and the write deadline applies while it waits for
 // shared memory, not while r.Read blocks.
 //
-// When r is a *net.TCPConn or a *net.UnixConn, ReadFrom waits for r's
-// bytes in the network poller before it takes shared memory for them (r's
-// read deadline applies), so a connection that says nothing holds no
-// slice. Any other r's Read blocks holding the slice it reads into.
+// A source that says nothing holds no shared memory (a proxy's idle
+// connections). When r is a *net.TCPConn or a *net.UnixConn, ReadFrom
+// waits for r's bytes in the network poller before it takes shared memory
+// for them (r's read deadline applies). Any other r (a tls.Conn, a pipe,
+// a bufio.Reader) may block in Read for as long as it likes, so ReadFrom
+// reads it into a buffer of its own on the heap (64 KiB, pooled) and
+// copies what came into shared memory, as Write does, until a Read fills
+// that buffer: data is streaming, and r then reads straight into slices
+// until a Read comes back short. Only a Read that follows a full one
+// blocks holding the slice it reads into.
 //
 // A Close while ReadFrom waits on r returns at once (so does the
 // session's Close). ReadFrom returns ErrStreamClosed once r has something
@@ -829,7 +843,13 @@ func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 	}
 	size := min(maxEventBytes, max(st.s.MaxSliceSize(), 1))
 	src := newSrcWaiter(r)
-	full := false // the last Read filled its room: more is likely there
+	full := false     // the last Read filled its room: more is likely there
+	var stage *[]byte // the heap buffer for sources that are not sockets
+	defer func() {
+		if stage != nil {
+			stagePool.Put(stage)
+		}
+	}()
 	var n int64
 	for {
 		if src != nil && !full {
@@ -841,6 +861,35 @@ func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 			if err != nil {
 				return n, err
 			}
+		}
+		if src == nil && !full {
+			// r may have nothing to say for a long time: read it into
+			// the heap, not into a slice that it would hold meanwhile.
+			if stage == nil {
+				stage = stagePool.Get().(*[]byte)
+			}
+			b := (*stage)[:size]
+			k, rerr := st.readSrc(r, b)
+			if k < 0 { // closed meanwhile
+				st.forgetClosedLive() // nothing was reserved
+				return n, ErrStreamClosed
+			}
+			full = k == size
+			for off := 0; off < k; {
+				w, err := st.writeSome(b[off:k])
+				off += w
+				n += int64(w)
+				if err != nil {
+					return n, err
+				}
+			}
+			if rerr == io.EOF {
+				return n, nil
+			}
+			if rerr != nil {
+				return n, rerr
+			}
+			continue
 		}
 		b, err := st.reserveLocked(size)
 		if err != nil {
