@@ -57,6 +57,12 @@ func (st *Stream) Write(p []byte) (int, error) {
 	if len(p) == 0 {
 		return 0, st.writeCheck() // fails after Close as any other Write
 	}
+	return st.writeAllLocked(p)
+}
+
+// writeAllLocked sends p, in pieces of writeSome, and returns the bytes
+// handed to the peer; it stops at the first error. The caller holds wmu.
+func (st *Stream) writeAllLocked(p []byte) (int, error) {
 	n := 0
 	for n < len(p) {
 		k, err := st.writeSome(p[n:])
@@ -862,53 +868,23 @@ func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 				return n, err
 			}
 		}
+		var k int
+		var rerr, err error
 		if src == nil && !full {
 			// r may have nothing to say for a long time: read it into
 			// the heap, not into a slice that it would hold meanwhile.
 			if stage == nil {
 				stage = stagePool.Get().(*[]byte)
 			}
-			b := (*stage)[:size]
-			k, rerr := st.readSrc(r, b)
-			if k < 0 { // closed meanwhile
-				st.forgetClosedLive() // nothing was reserved
-				return n, ErrStreamClosed
-			}
-			full = k == size
-			for off := 0; off < k; {
-				w, err := st.writeSome(b[off:k])
-				off += w
-				n += int64(w)
-				if err != nil {
-					return n, err
-				}
-			}
-			if rerr == io.EOF {
-				return n, nil
-			}
-			if rerr != nil {
-				return n, rerr
-			}
-			continue
+			k, rerr, err = st.copyFromSrc(r, (*stage)[:size])
+		} else {
+			k, rerr, err = st.readSrcInPlace(r, size)
 		}
-		b, err := st.reserveLocked(size)
+		n += int64(k)
 		if err != nil {
 			return n, err
 		}
-		k, rerr := st.readSrc(r, b)
-		if k < 0 { // closed meanwhile
-			st.abortLocked()
-			st.forgetClosedLive()
-			return n, ErrStreamClosed
-		}
 		full = k == size
-		st.unreserveLocked(size - k)
-		if k > 0 {
-			if err := st.flushLocked(); err != nil {
-				return n, err
-			}
-			n += int64(k)
-		}
 		if rerr == io.EOF {
 			return n, nil
 		}
@@ -916,4 +892,45 @@ func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 			return n, rerr
 		}
 	}
+}
+
+// copyFromSrc is one step of ReadFrom for a source that is not a socket:
+// one r.Read into b, a buffer on the heap, and what it returned sent as
+// Write sends it. It returns the bytes sent, r's error, and the error
+// that ends ReadFrom: Write's, or ErrStreamClosed if the stream was
+// closed during the Read (whose bytes it drops). The caller holds wmu.
+func (st *Stream) copyFromSrc(r io.Reader, b []byte) (k int, rerr, err error) {
+	k, rerr = st.readSrc(r, b)
+	if k < 0 { // closed meanwhile
+		st.forgetClosedLive() // nothing was reserved
+		return 0, nil, ErrStreamClosed
+	}
+	k, err = st.writeAllLocked(b[:k])
+	return k, rerr, err
+}
+
+// readSrcInPlace is one step of ReadFrom that reads r straight into
+// shared memory: it reserves size bytes, runs one r.Read into them, and
+// sends what it returned. It returns the bytes sent, r's error, and the
+// error that ends ReadFrom: Reserve's or Flush's, or ErrStreamClosed if
+// the stream was closed during the Read (whose bytes it drops). The
+// caller holds wmu.
+func (st *Stream) readSrcInPlace(r io.Reader, size int) (k int, rerr, err error) {
+	b, err := st.reserveLocked(size)
+	if err != nil {
+		return 0, nil, err
+	}
+	k, rerr = st.readSrc(r, b)
+	if k < 0 { // closed meanwhile
+		st.abortLocked()
+		st.forgetClosedLive()
+		return 0, nil, ErrStreamClosed
+	}
+	st.unreserveLocked(size - k)
+	if k > 0 {
+		if err := st.flushLocked(); err != nil {
+			return 0, nil, err
+		}
+	}
+	return k, rerr, nil
 }
