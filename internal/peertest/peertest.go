@@ -170,20 +170,26 @@ func (p *Proc) Kill() {
 	p.Wait()
 }
 
-// Crash kills the peer with SIGKILL, as a crash would, reaps it, and
-// returns when the signal was sent. The peer must have died of it, with
-// nothing on its standard error before.
-func (p *Proc) Crash(tb testing.TB) time.Time {
+// Crash kills the peer with SIGKILL, as a crash would, and reaps it. It
+// returns when the signal was sent (killed) and when the reaping returned
+// (reaped). The kernel closes a dying process's descriptors (its sockets:
+// what its peers see of the death) before its parent can reap it, so
+// reaped bounds the moment its peers could know. The time from killed to
+// there is the kernel's (it tears down the address space first, which
+// takes long for a large one on a busy host), not the peers'. The peer
+// must have died of the signal, with nothing on its standard error before.
+func (p *Proc) Crash(tb testing.TB) (killed, reaped time.Time) {
 	tb.Helper()
-	at := time.Now()
+	killed = time.Now()
 	require.NoError(tb, p.cmd.Process.Signal(syscall.SIGKILL))
 	err := p.Wait()
+	reaped = time.Now()
 	var ee *exec.ExitError
 	require.ErrorAs(tb, err, &ee)
 	ws, ok := ee.Sys().(syscall.WaitStatus)
 	require.True(tb, ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL, "peer exit: %v; stderr: %s", err, p.Stderr())
 	require.Empty(tb, p.Stderr(), "peer stderr before the kill")
-	return at
+	return killed, reaped
 }
 
 // NextLine waits for the peer's next line of output; ok is false when the
