@@ -278,9 +278,10 @@ func readHandshakeHeader(conn net.Conn, want wire.MsgType) (wire.Header, error) 
 }
 
 // serverHandshake answers a client's v2 or v3 handshake on conn, picking the
-// variant by the version byte of the first message (1.4), and maps the
-// client's buffer region and IO queue. On error nothing stays mapped or
-// open; conn is left to the caller, who must close it.
+// variant by the type and version of the first message (docs/protocol.md
+// section 1.4), and maps the client's buffer region and IO queue. On error
+// nothing stays mapped or open; conn is left to the caller, who must close
+// it.
 func serverHandshake(conn net.Conn, cfg *Config) (mem *memory, version uint8, err error) {
 	return serverHandshakeMarking(conn, cfg, true)
 }

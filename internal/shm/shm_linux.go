@@ -286,7 +286,8 @@ func Size(fd int) (int, error) {
 }
 
 // CheckMemfd checks that fd, which a peer sent in place of a memfd
-// (docs/protocol.md section 1.4), is a regular file of tmpfs or hugetlbfs:
+// (docs/protocol.md section 1.4; the rule: section 9, "What a descriptor
+// must be"), is a regular file of tmpfs or hugetlbfs:
 // a memfd, or a file of /dev/shm. Anything else gets an error wrapping
 // ErrNotShared: a device, or a file on a disk, on NFS or on a FUSE file
 // system that the peer itself serves, where a page fault on our mapping

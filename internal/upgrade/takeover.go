@@ -15,7 +15,7 @@ import (
 
 // TakeOver connects to the upgrade socket at cfg.Path and, if a process
 // serves it, takes that process's listening socket over (docs/protocol.md
-// section 7, steps 1 to 3). The listening socket received must be a
+// section 14, "Sequence": from the request to the ready frame). The listening socket received must be a
 // listener of cfg.Network at cfg.Address, and pass check (nil: no check),
 // before this process commits to it. ctx bounds the
 // handover until this process has committed, and no further; the

@@ -13,8 +13,8 @@ import (
 )
 
 const (
-	// handoverTimeout bounds steps 1 to 3 of a handover (docs/protocol.md
-	// section 7) on either side.
+	// handoverTimeout bounds a handover from the request to the ready
+	// frame (docs/protocol.md section 14, "Sequence") on either side.
 	handoverTimeout = 10 * time.Second
 	// socketMode is the mode of the upgrade socket's file: whoever can
 	// connect to it can take the listener.
