@@ -14,8 +14,8 @@ import (
 	"github.com/shmlink/shmlink/session"
 )
 
-// PeerCred identifies the process at the other end of a Unix socket, for
-// Config.PeerCheck; see session.PeerCred.
+// PeerCred identifies the process at the other end of a Unix socket or a
+// loopback TCP connection, for Config.PeerCheck; see session.PeerCred.
 type PeerCred = session.PeerCred
 
 // defaultSocketMode is the permission bits of a Unix listener's socket file

@@ -21,9 +21,15 @@ func Dial(network, address string) (net.Conn, error) {
 }
 
 // DialContext is Dial with a context that bounds the connection and the
-// handshake: once ctx is done, it returns an error wrapping ctx.Err(). The
-// "quic" network needs a Dialer with TLSConfig: here it returns a
-// *ConfigError.
+// handshake: once ctx is done, it returns an error wrapping ctx.Err(). It
+// returns an error wrapping ErrNetwork for a network other than "unix" or
+// "tcp" (errors.Is), the dial error, the handshake error (a
+// *session.SessionError wrapping ErrHandshake), and the errors of opening
+// the stream: ErrQueueFull when the server leaves the IO queue full for
+// Config.QueueFullTimeout, session.ErrDraining when it hands over to a new process
+// meanwhile (docs/protocol.md section 5), or the session's error if it
+// ended. The "quic" network needs a Dialer with TLSConfig: here it
+// returns a *ConfigError.
 func DialContext(ctx context.Context, network, address string) (net.Conn, error) {
 	if network == "quic" {
 		_, err := quicTLS(nil, false) // the "quic" network needs a Dialer with TLSConfig
@@ -264,12 +270,18 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 // the pool calls for one (see Dialer). Concurrent dials share one
 // handshake. A shmlink server's Accept returns the stream before any byte
 // is written (it is announced, docs/protocol.md section 11); other servers
-// see it at its first byte. It returns ErrNetwork for other networks,
-// a *ConfigError for a bad field, an error satisfying errors.Is(err,
-// net.ErrClosed) after Close, an error wrapping ctx.Err() when ctx is
-// done first (also in the middle of a handshake, which it then ends), and
-// the dial or handshake error; a failed handshake, on "quic" too, wraps
-// ErrHandshake. A dial that waits for another's handshake
+// see it at its first byte. It returns an error wrapping ErrNetwork
+// (errors.Is) for other networks, a *ConfigError for a bad field, an error
+// satisfying errors.Is(err, net.ErrClosed) after Close, an error wrapping
+// ctx.Err() when ctx is done first (also in the middle of a handshake,
+// which it then ends), and the dial or handshake error; a failed
+// handshake, on "quic" too, wraps ErrHandshake. Opening the stream on a
+// session can fail with ErrQueueFull (the server left the IO queue full
+// for Config.QueueFullTimeout) or session.ErrStreamIDs; a session that turned out
+// to be draining for a hot upgrade, or ended, is passed over for another,
+// up to 8 and 3 times, and then its session.ErrDraining or error is returned. On
+// "quic", when every connection dialed was draining, it returns
+// ErrStreamRefused. A dial that waits for another's handshake
 // dials again if that one ended for its own context.
 func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
 	if network == "quic" {
@@ -284,7 +296,8 @@ func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.
 
 // DialStream is DialContext returning the *Stream, whose zero-copy calls
 // (Reserve, Peek, ReadBytes, ReadChunk) then need no type assertion. It
-// returns the errors DialContext returns.
+// returns the errors DialContext returns, and on "quic", whose streams are
+// not shmlink streams, a *net.OpError wrapping ErrNoSharedMemory.
 func (d *Dialer) DialStream(ctx context.Context, network, address string) (*Stream, error) {
 	if err := checkNetwork(network); err != nil {
 		return nil, err

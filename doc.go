@@ -28,12 +28,13 @@
 //
 // By default only processes of the same user meet. A Unix listener's socket
 // file is mode 0600 (ListenConfig.SocketMode), and both ends check the
-// other's credentials (SO_PEERCRED) before the handshake: the same
-// effective uid, or Config.AllowUIDs, or Config.PeerCheck; a refused
-// client's connection is closed, logged and counted
-// (Listener.PeersRefused). A TCP listener must be on loopback unless
-// ListenConfig.AllowNonLoopback. A server maps only regular files directly
-// inside Config.ShmDir that belong to the client's uid (this process's over
-// TCP), and refuses any other path before opening it. Shared-memory files
+// other's credentials (SO_PEERCRED; over loopback TCP, the uid that owns
+// the peer's socket) before the handshake: the same effective uid, or
+// Config.AllowUIDs, or Config.PeerCheck; a refused client's connection is
+// closed, logged and counted (Listener.PeersRefused). A TCP listener must
+// be on loopback unless ListenConfig.AllowNonLoopback. A server maps only
+// regular files directly inside Config.ShmDir that belong to the client's
+// uid (this process's between hosts), and refuses any other path before
+// opening it. Shared-memory files
 // and memfds are created 0600, close-on-exec, files with O_EXCL.
 package shmlink

@@ -18,8 +18,9 @@ var (
 	// address that is not, or does not resolve only to, a loopback address
 	// ("0.0.0.0:0", ":0", "[::]:0", a LAN address), unless
 	// ListenConfig.AllowNonLoopback is set. Shared memory only works
-	// between processes on one host, and TCP carries no peer credentials,
-	// so a listener reachable from other hosts only widens who can knock.
+	// between processes on one host, and between hosts TCP tells nothing
+	// of the peer's uid (docs/protocol.md section 9), so a listener
+	// reachable from other hosts only widens who can knock.
 	ErrNotLoopback = errors.New("shmlink: TCP listen address is not a loopback address")
 
 	// ErrUpgradeInProgress is returned (wrapped) by ListenConfig.Listen
@@ -46,12 +47,12 @@ var (
 	ErrWriteClosed   = session.ErrWriteClosed   // errors.Is(err, net.ErrClosed)
 	ErrStreamRefused = session.ErrStreamRefused // errors.Is(err, syscall.ECONNREFUSED)
 	ErrPeerClosed    = session.ErrPeerClosed    // errors.Is(err, syscall.ECONNRESET)
-	ErrQueueFull     = session.ErrQueueFull
-	ErrHandshake     = session.ErrHandshake
-	ErrProtocol      = session.ErrProtocol
-	ErrPeerRefused   = session.ErrPeerRefused
-	ErrPathRefused   = session.ErrPathRefused
-	ErrBadLength     = session.ErrBadLength
+	ErrQueueFull     = session.ErrQueueFull     // a write or a dial found the IO queue full for Config.QueueFullTimeout
+	ErrHandshake     = session.ErrHandshake     // wrapped by a failed handshake's *SessionError
+	ErrProtocol      = session.ErrProtocol      // wrapped by the *SessionError of a peer that broke the protocol
+	ErrPeerRefused   = session.ErrPeerRefused   // wrapped by a handshake refused for the peer's uid (*PeerError)
+	ErrPathRefused   = session.ErrPathRefused   // wrapped by a handshake refused for a file path outside the rules
+	ErrBadLength     = session.ErrBadLength     // wrapped by a zero-copy call given a length out of range
 
 	// errDialerClosed is returned by a Dialer's dials after Close.
 	errDialerClosed = fmt.Errorf("shmlink: dialer closed: %w", net.ErrClosed)

@@ -20,7 +20,8 @@ import (
 
 // Stream is one net.Conn stream of a session, with the zero-copy API
 // (Reserve/Flush, Peek/ReadBytes/Discard/ReleasePreviousRead). Accept and
-// Dial return *Stream values as net.Conn.
+// Dial return *Stream values as net.Conn, except on "quic", whose streams
+// are QUIC streams (docs/protocol.md section 17).
 type Stream = session.Stream
 
 // defaultDrainTimeout is how long, by default, a listener that handed its
@@ -69,8 +70,10 @@ type ListenConfig struct {
 
 	// AllowNonLoopback lets a "tcp" listener bind an address that is not a
 	// loopback address, such as "0.0.0.0:0", ":0" or a LAN address. By
-	// default Listen refuses those with ErrNotLoopback: TCP carries no peer
-	// credentials, and shared memory needs both processes on one host.
+	// default Listen refuses those with ErrNotLoopback: between hosts TCP
+	// tells nothing of the peer's uid (over loopback the kernel does, and
+	// the peer check applies), and shared memory needs both processes on
+	// one host.
 	AllowNonLoopback bool
 
 	// UpgradeSocket, if set, is the path of a Unix socket through which
@@ -118,8 +121,10 @@ type ListenConfig struct {
 // sees the connection: a failed one is not logged, and
 // Config.HandshakeTimeout bounds it as quic-go's handshake idle timeout
 // (5 s when both are zero). A "unix" socket file gets SocketMode; a "tcp" address must
-// be loopback unless AllowNonLoopback. It returns ErrNetwork for other
-// networks, a *ConfigError for a bad Config or SocketMode, ErrNotLoopback
+// be loopback unless AllowNonLoopback. It returns an error wrapping
+// ErrNetwork for other networks, a *ConfigError for a bad Config or
+// SocketMode, a negative DrainTimeout or an UpgradeSocket that is the
+// listening address itself, ErrNotLoopback
 // (wrapped) for a refused TCP address, and net.Listen's errors. With
 // UpgradeSocket it takes the listener of a running process over
 // (docs/protocol.md section 14), and returns ErrUpgradeInProgress (wrapped)

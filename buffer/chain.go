@@ -67,7 +67,10 @@ func (w *ChainWriter) Write(p []byte) (n int, err error) {
 // come from the last slice when it has room, else from a new slice of the
 // smallest class that holds n, or a larger one (the room left in the
 // previous slice is then unused). The bytes count as written whether or
-// not the caller fills them. Reserve(0) returns nil.
+// not the caller fills them. Reserve(0) returns nil. The returned bytes
+// are the caller's to write until Finish, after which they belong to the
+// chain (and to whoever it is published to); after Abort their slice is
+// free again, and they must not be touched.
 //
 // Reserve returns an error wrapping ErrTooLarge when n exceeds
 // Region.MaxSliceSize, ErrNoSpace when no slice can be had, and an error

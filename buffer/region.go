@@ -296,9 +296,11 @@ func (r *Region) InUse() []int {
 }
 
 // ReleaseWarm pushes the slices this process keeps warm (FreeWarm) onto
-// their free lists, where the peer can allocate them too. It returns an
-// error wrapping ErrCorrupt when a list's tail is invalid; the slices not
-// pushed then stay kept.
+// their free lists, where the peer can allocate them too. A warm slice
+// whose flags are no longer 0 (the peer wrote to a slice it does not own)
+// is dropped, not pushed. It returns an error wrapping ErrCorrupt when a
+// list's tail is invalid: the slice being pushed is then lost, as with
+// Free, and the ones after it stay kept.
 func (r *Region) ReleaseWarm() error {
 	for i := range r.lists {
 		if err := r.lists[i].releaseWarm(r.base); err != nil {

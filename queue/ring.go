@@ -20,7 +20,7 @@ import (
 // Event is one entry of the IO queue (docs/protocol.md section 3.2).
 type Event struct {
 	StreamID uint32 // stream the event belongs to
-	Offset   uint32 // offset of the first slice in the buffer mapping, 0 for a close
+	Offset   uint32 // byte offset of the first slice's header from the start of the buffer mapping, 0 for a close
 	Status   uint32 // low byte = stream state (0 open/data, 1 closed)
 }
 

@@ -13,8 +13,8 @@ import (
 	"github.com/shmlink/shmlink/internal/sock"
 )
 
-// PeerCred identifies the process at the other end of a Unix socket, as the
-// kernel recorded it when the connection was made (SO_PEERCRED on Linux):
+// PeerCred identifies the process at the other end of a Unix socket (or of
+// a loopback TCP connection, below), as the kernel recorded it when the connection was made (SO_PEERCRED on Linux):
 // for a server, the client process that connected; for a client, the
 // process that created the listening socket. Ids are as seen from this
 // process's namespaces; PID is 0 when the peer's pid is not visible from

@@ -24,7 +24,8 @@ const (
 	// (handshake v3). It needs a Unix socket.
 	MemoryMemfd
 	// MemoryFile creates files in Config.ShmDir and sends their paths
-	// (handshake v2 over TCP, v3 with a file path over a Unix socket).
+	// (handshake v3 with file paths, on every network; docs/protocol.md
+	// section 1.4).
 	MemoryFile
 )
 
@@ -66,8 +67,8 @@ const (
 	// defaultQueueFullTimeout is how long a writer waits for room in a full
 	// IO queue before its write fails with ErrQueueFull.
 	defaultQueueFullTimeout = 5 * time.Second
-	// defaultMaxMessageSize is the largest control message accepted from
-	// the peer, header included: 32 MiB, the Rust crate's read buffer.
+	// defaultMaxMessageSize is MaxMessageSize's default: 32 MiB, the
+	// Rust crate's read buffer.
 	defaultMaxMessageSize = wire.DefaultMaxMessageSize
 	// defaultMaxStreams bounds the streams of a server session.
 	defaultMaxStreams = 16384
@@ -125,9 +126,10 @@ type Config struct {
 	// ShmDir is the directory where a client creates file-backed shared
 	// memory, and the only directory from which a server maps files named
 	// by a peer: regular files directly inside it that belong to the peer's
-	// uid (on a Unix socket; over TCP, which carries no credentials, this
-	// process's effective uid). Any other path is refused before it is
-	// opened (ErrPathRefused). Default "/dev/shm".
+	// uid (on a Unix socket the credentials' uid, over loopback TCP the uid
+	// that owns the peer's socket, between hosts this process's effective
+	// uid; docs/protocol.md section 9). Any other path is refused before it
+	// is opened (ErrPathRefused). Default "/dev/shm".
 	ShmDir string
 
 	// HandshakeTimeout bounds the handshake on both sides. Default
@@ -264,13 +266,18 @@ type Config struct {
 	// (the default) allows only this process's effective uid; a non-empty
 	// list replaces that default, so list os.Geteuid() too to keep it. A
 	// refused peer's connection is closed and the handshake fails with a
-	// *PeerError (errors.Is ErrPeerRefused). TCP carries no credentials:
-	// there no check is made, and shmlink.ListenConfig keeps TCP listeners
-	// on loopback. Set AllowUIDs or PeerCheck, not both.
+	// *PeerError (errors.Is ErrPeerRefused). TCP carries no credentials;
+	// over loopback TCP the check applies to the uid that owns the peer's
+	// socket (PID 0 and GID -1 in its PeerCred), and a connection whose
+	// owner cannot be found is refused. Between hosts no check is made,
+	// and shmlink.ListenConfig keeps TCP listeners on loopback unless told
+	// otherwise (docs/protocol.md section 9). Set AllowUIDs or PeerCheck,
+	// not both.
 	AllowUIDs []int
 
 	// PeerCheck, if set, decides instead of AllowUIDs which processes may
-	// be the peer on a Unix socket: it is called once per connection,
+	// be the peer on a Unix socket or loopback TCP (see AllowUIDs for what
+	// the kernel tells there): it is called once per connection,
 	// before the handshake, with the peer's credentials, and an error
 	// refuses the peer (the handshake fails with a *PeerError wrapping it).
 	// It may be called from many goroutines at once and should return

@@ -43,13 +43,13 @@ var (
 	// errNotServer is returned by AcceptStream on a client session.
 	errNotServer = errors.New("shmlink: only a server session accepts streams")
 
-	// ErrQueueFull is returned by a write when the peer left the IO queue full
-	// for longer than Config.QueueFullTimeout.
+	// ErrQueueFull is returned by a write, and by OpenStream, when the peer
+	// left the IO queue full for longer than Config.QueueFullTimeout.
 	ErrQueueFull = errors.New("shmlink: IO queue full")
 
 	// ErrBadLength is wrapped by the error of a zero-copy call given a
 	// length it cannot serve: Reserve outside [1, Session.MaxSliceSize()],
-	// Peek and ReadChunk below 1. Nothing is reserved or consumed, and the
+	// Peek, ReadBytes and ReadChunk below 1. Nothing is reserved or consumed, and the
 	// stream stays usable.
 	ErrBadLength = errors.New("shmlink: length out of range")
 

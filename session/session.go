@@ -181,9 +181,9 @@ type idleState struct {
 
 // Client runs the client side of the handshake over conn (docs/protocol.md
 // section 1.4), creating a buffer region and an IO queue as cfg says, and
-// returns a session that opens streams. A nil cfg means the defaults. Over
-// a Unix socket with MemoryAuto it uses v3 and memfds; over TCP, v2 with
-// files in cfg.ShmDir. The session owns conn from then on, also when Client
+// returns a session that opens streams. A nil cfg means the defaults. It
+// speaks v3 on every network: over a Unix socket with MemoryAuto with
+// memfds, over TCP with files in cfg.ShmDir. The session owns conn from then on, also when Client
 // fails: conn is closed then. It returns a *ConfigError if cfg is invalid,
 // and a *SessionError wrapping ErrHandshake if the handshake fails
 // (Config.HandshakeTimeout bounds it), which also wraps ErrPeerRefused
