@@ -2,6 +2,9 @@ package session
 
 import (
 	"fmt"
+	"io"
+	"net"
+	"os"
 	"runtime"
 	"runtime/debug"
 
@@ -22,7 +25,34 @@ import (
 //
 // Bytes that zero-copy calls (Peek, ReadBytes, ReadChunk, Reserve) hand to
 // the application are outside any guard: on memory the peer can truncate,
-// the application's own access to them may fault.
+// the application's own access to them may fault. WriteTo and ReadFrom,
+// which io.Copy calls without the application knowing, hand it shared
+// memory only where that cannot fault (inProcessSafe): otherwise they copy
+// through a buffer on the heap, under the guard.
+
+// memSealed reports whether the peer cannot shrink the session's shared
+// memory: memfds sealed against shrinking, by their creator or by us
+// (shm.SealShrink). It is false once the memory is unmapped.
+func (s *Session) memSealed() bool {
+	s.shm.mu.RLock()
+	defer s.shm.mu.RUnlock()
+	return s.shm.mem != nil && s.shm.mem.sealed
+}
+
+// inProcessSafe reports whether shared memory of s may go to x, the
+// writer of WriteTo or the reader of ReadFrom, as it is: when the peer
+// cannot shrink the memory, or when x does not touch the bytes in this
+// process. A socket or a file of package net or os hands them to the
+// kernel, whose copy from or into a page the peer truncated away fails
+// with EFAULT rather than fault (only these types: a wrapper may copy them
+// itself); io.Discard does not read them.
+func (s *Session) inProcessSafe(x any) bool {
+	switch x.(type) {
+	case *net.TCPConn, *net.UnixConn, *os.File:
+		return true
+	}
+	return x == io.Discard || s.memSealed()
+}
 
 // faultError is a fault on shared memory.
 type faultError struct{ addr uintptr }

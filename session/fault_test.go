@@ -1,6 +1,7 @@
 package session
 
 import (
+	"errors"
 	"io"
 	"net"
 	"os"
@@ -153,6 +154,143 @@ func TestTruncatedMemory(t *testing.T) {
 			require.Error(t, err)
 			waitDone(t, tc.server.Done(), "the session's end")
 			require.ErrorContains(t, tc.server.Err(), "truncated")
+		})
+	}
+}
+
+// truncatingWriter is the writer of a WriteTo that truncates f, the peer's
+// buffer, in its first Write and then reads the bytes it was given, as
+// any writer copying them would.
+type truncatingWriter struct {
+	f   *os.File
+	sum byte
+}
+
+func (w *truncatingWriter) Write(p []byte) (int, error) {
+	if err := w.f.Truncate(0); err != nil {
+		return 0, err
+	}
+	for _, c := range p {
+		w.sum += c
+	}
+	return len(p), nil
+}
+
+// truncatingReader is the source of a ReadFrom: its first Read fills p,
+// so that ReadFrom would read the next one in place; its second truncates
+// f, the peer's buffer, and then fills p too.
+type truncatingReader struct {
+	f     *os.File
+	reads int
+}
+
+func (r *truncatingReader) Read(p []byte) (int, error) {
+	if r.reads++; r.reads == 2 {
+		if err := r.f.Truncate(0); err != nil {
+			return 0, err
+		}
+	}
+	for i := range p {
+		p[i] = byte(i)
+	}
+	return len(p), nil
+}
+
+// io.Copy hands shared memory to the application's writer or reader
+// through WriteTo and ReadFrom. On memory the peer can truncate, a writer
+// or reader that copies the bytes itself gets a copy on the heap instead:
+// the peer's truncation ends the session with an error, and the process
+// lives (it died of SIGBUS in the writer's loop before).
+func TestTruncatedMemoryCopy(t *testing.T) {
+	for _, mt := range []MemoryType{MemoryMemfd, MemoryFile} {
+		t.Run(mt.String()+"/WriteTo", func(t *testing.T) {
+			tc := newTruncClient(t, mt, false)
+			tc.put(t, 2, 64<<10)
+			tc.send(t, 2, 64<<10)
+			st := accept(t, tc.server)
+			waitFor(t, "the messages", func() bool { return st.Buffered() == 128<<10 })
+			n, err := st.WriteTo(&truncatingWriter{f: tc.files[0]})
+			require.Error(t, err)
+			require.Equal(t, int64(64<<10), n, "the first message, copied before the truncation")
+			waitDone(t, tc.server.Done(), "the session's end")
+			require.ErrorContains(t, tc.server.Err(), "truncated")
+		})
+		t.Run(mt.String()+"/ReadFrom", func(t *testing.T) {
+			tc := newTruncClient(t, mt, false)
+			tc.send(t, 2, 1)
+			st := accept(t, tc.server)
+			r := &truncatingReader{f: tc.files[0]}
+			_, err := st.ReadFrom(r)
+			require.Error(t, err)
+			require.Equal(t, 2, r.reads)
+			waitDone(t, tc.server.Done(), "the session's end")
+			require.ErrorContains(t, tc.server.Err(), "truncated")
+		})
+	}
+}
+
+// errStop ends a WriteTo or a ReadFrom of the tests below.
+var errStop = errors.New("stop")
+
+// sliceRecorder is the writer of a WriteTo, or the source of a ReadFrom,
+// that records whether the bytes it got lie in s's shared memory. As a
+// source, its first Read fills p, so that the second may be in place.
+type sliceRecorder struct {
+	s      *Session
+	reads  int
+	shared bool
+}
+
+func (r *sliceRecorder) Write(p []byte) (int, error) {
+	r.shared = inMapping(r.s, p)
+	return len(p), errStop
+}
+
+func (r *sliceRecorder) Read(p []byte) (int, error) {
+	if r.reads++; r.reads == 2 {
+		r.shared = inMapping(r.s, p)
+		return 0, errStop
+	}
+	return len(p), nil
+}
+
+// WriteTo and ReadFrom hand the application's writer and reader shared
+// memory itself (zero copy) where the peer cannot shrink it: a memfd that
+// the server sealed. Where it can (files, a memfd the peer did not let us
+// seal), they go through the heap.
+func TestCopyZeroOnlyOnSealedMemory(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		mt           MemoryType
+		allowSealing bool
+	}{{"memfd-sealed", MemoryMemfd, true}, {"memfd-unsealed", MemoryMemfd, false}, {"file", MemoryFile, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newTruncClient(t, tc.mt, tc.allowSealing)
+			c.send(t, 2, 64<<10)
+			st := accept(t, c.server)
+			w := &sliceRecorder{s: c.server}
+			_, err := st.WriteTo(w)
+			require.ErrorIs(t, err, errStop)
+			require.Equal(t, tc.allowSealing, w.shared, "WriteTo's bytes in shared memory")
+			r := &sliceRecorder{s: c.server}
+			_, err = st.ReadFrom(r)
+			require.ErrorIs(t, err, errStop)
+			require.Equal(t, 2, r.reads)
+			require.Equal(t, tc.allowSealing, r.shared, "ReadFrom's second Read into shared memory")
+		})
+	}
+}
+
+// Between two shmlink sessions, memfds cannot shrink on either side (the
+// client seals what it creates) and files can: io.Copy is zero copy over
+// the former only.
+func TestMemSealed(t *testing.T) {
+	for _, mt := range []MemoryType{MemoryMemfd, MemoryFile} {
+		t.Run(mt.String(), func(t *testing.T) {
+			cfg := &Config{MemoryType: mt, ShmDir: t.TempDir()}
+			client, server := pair(t, cfg)
+			require.Equal(t, mt == MemoryMemfd, client.memSealed(), "client")
+			require.Equal(t, mt == MemoryMemfd, server.memSealed(), "server")
 		})
 	}
 }

@@ -198,6 +198,8 @@ func createShared(cfg *Config, mt MemoryType, meta wire.ShmMetadata) (*memory, [
 	if mem.queueMem, err = shm.Map(int(files[1].Fd()), queueSize); err != nil {
 		return fail("map queue", err)
 	}
+	// Our memfds are sealed (shm.CreateMemfd): the peer cannot shrink them.
+	mem.sealed = mt == MemoryMemfd
 	var idErr error
 	mem.queueID, idErr = shm.IDOf(int(files[1].Fd()))
 	mem.queueKnown = idErr == nil

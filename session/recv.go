@@ -1341,10 +1341,19 @@ func (st *Stream) ReadChunk(max int) (b []byte, err error) {
 // WriteTo writes what arrives on the stream to w until the peer's
 // io.EOF or an error: io.Copy(w, stream) uses it. Each slice of shared
 // memory goes to w.Write as it is (zero copy on our side), and is
-// released once w.Write returns: w must not keep the bytes. It returns the
-// bytes written and nil at the stream's io.EOF, Read's other errors, w's
-// error, or io.ErrShortWrite.
+// released once w.Write returns: w must not keep the bytes. That is so
+// when the peer cannot shrink the memory (a sealed memfd) or w is a socket
+// or file of package net or os; otherwise, as with files or a peer's
+// memfd that we could not seal, the bytes are copied to a buffer on the
+// heap first (up to 64 KiB at a time), so that a peer that truncates its
+// memory ends the session with an error instead of faulting in w.Write
+// (docs/protocol.md section 13). It returns the bytes written and nil at
+// the stream's io.EOF, Read's other errors, w's error, or
+// io.ErrShortWrite.
 func (st *Stream) WriteTo(w io.Writer) (int64, error) {
+	if !st.s.inProcessSafe(w) {
+		return st.writeToStaged(w)
+	}
 	var n int64
 	for {
 		b, err := st.ReadChunk(maxEventBytes)
@@ -1364,6 +1373,32 @@ func (st *Stream) WriteTo(w io.Writer) (int64, error) {
 		}
 		if err != nil {
 			return n, err
+		}
+	}
+}
+
+// writeToStaged is WriteTo through a buffer on the heap (stagePool): Read
+// copies into it under the fault guard, and w.Write gets the copy.
+func (st *Stream) writeToStaged(w io.Writer) (n int64, err error) {
+	stage := stagePool.Get().(*[]byte)
+	defer stagePool.Put(stage)
+	for {
+		k, rerr := st.Read(*stage)
+		if k > 0 {
+			wk, werr := w.Write((*stage)[:k])
+			n += int64(wk)
+			switch {
+			case werr != nil:
+				return n, werr
+			case wk < k:
+				return n, io.ErrShortWrite
+			}
+		}
+		if rerr == io.EOF {
+			return n, nil
+		}
+		if rerr != nil {
+			return n, rerr
 		}
 	}
 }

@@ -835,7 +835,11 @@ func (w *srcWaiter) wait() { _ = w.rc.Read(w.fn) }
 // copies what came into shared memory, as Write does, until a Read fills
 // that buffer: data is streaming, and r then reads straight into slices
 // until a Read comes back short. Only a Read that follows a full one
-// blocks holding the slice it reads into.
+// blocks holding the slice it reads into. Such an r reads into slices
+// only when the peer cannot shrink the memory (a sealed memfd) or r is an
+// *os.File: otherwise a peer that truncated its memory would make r's copy
+// fault, so every Read goes to the heap buffer, and the copy into shared
+// memory runs under the fault guard (docs/protocol.md section 13).
 //
 // A Close while ReadFrom waits on r returns at once (so does the
 // session's Close). ReadFrom returns ErrStreamClosed once r has something
@@ -849,6 +853,8 @@ func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 	}
 	size := min(maxEventBytes, max(st.s.MaxSliceSize(), 1))
 	src := newSrcWaiter(r)
+	// r may read straight into shared memory: it cannot fault (fault.go).
+	inPlace := st.s.inProcessSafe(r)
 	full := false     // the last Read filled its room: more is likely there
 	var stage *[]byte // the heap buffer for sources that are not sockets
 	defer func() {
@@ -870,9 +876,11 @@ func (st *Stream) ReadFrom(r io.Reader) (int64, error) {
 		}
 		var k int
 		var rerr, err error
-		if src == nil && !full {
+		if src == nil && (!full || !inPlace) {
 			// r may have nothing to say for a long time: read it into
 			// the heap, not into a slice that it would hold meanwhile.
+			// So always if its copy into memory the peer may truncate
+			// would fault in this process.
 			if stage == nil {
 				stage = stagePool.Get().(*[]byte)
 			}
