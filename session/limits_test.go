@@ -427,6 +427,48 @@ func TestReusedSliceRefused(t *testing.T) {
 	require.LessOrEqual(t, queued, slices, "messages queued, each holding the one slice")
 }
 
+// A message whose first slice is empty and not marked allocated (the
+// peer recycled it, or never took it) ends the session with ErrCorrupt,
+// and that message is the one dropped: an earlier unread message of the
+// stream stays queued, with its slice still counted as held, where the
+// bad message's chunk used to stay and the earlier one went.
+func TestBadFirstSliceDropsItsOwnMessage(t *testing.T) {
+	mem, server, write := rawClient(t, nil, nil)
+	announceRaw(t, mem, 2, write)
+	st := accept(t, server) // and never read
+	first, err := mem.region.Alloc(5)
+	require.NoError(t, err)
+	copy(mem.bufMem[first+20:], "hello") // after the 20-byte slice header
+	require.NoError(t, mem.region.SetPayload(first, 5))
+	require.NoError(t, mem.send.Put(queue.Event{StreamID: 2, Offset: first}))
+	require.NoError(t, write(wire.AppendSimple(nil, 3, wire.TypePolling)))
+	waitFor(t, "the first message", func() bool { return st.Buffered() == 5 })
+	held := server.shm.holding.Load()
+
+	// The bad message: slice a, empty, flags "next" only (not allocated),
+	// chained to slice b with 1 byte.
+	a, err := mem.region.Alloc(1)
+	require.NoError(t, err)
+	b, err := mem.region.Alloc(1)
+	require.NoError(t, err)
+	require.NoError(t, mem.region.SetPayload(a, 0))
+	require.NoError(t, mem.region.SetPayload(b, 1))
+	binary.NativeEndian.PutUint32(mem.bufMem[a+12:], b) // next
+	binary.NativeEndian.PutUint32(mem.bufMem[a+16:], 1) // flags: next, not allocated
+	require.NoError(t, mem.send.Put(queue.Event{StreamID: 2, Offset: a}))
+	require.NoError(t, write(wire.AppendSimple(nil, 3, wire.TypePolling)))
+	waitDone(t, server.Done(), "the server's end")
+	require.ErrorIs(t, server.Err(), buffer.ErrCorrupt)
+
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	require.Equal(t, 1, len(st.recv)-st.rhead, "chunks queued")
+	require.Equal(t, first, st.recv[st.rhead].off, "the first message is the one left")
+	require.Equal(t, "hello", string(st.recv[st.rhead].data))
+	require.Equal(t, 5, st.buffered)
+	require.Equal(t, held, server.shm.holding.Load(), "slices held")
+}
+
 // FallbackData of one byte each counts its chunk's cost (heapChunkCost)
 // against the heap limits besides its byte: the server takes no more such
 // messages than the limit holds at that cost, where counting bytes alone

@@ -1532,8 +1532,10 @@ func (st *Stream) consumeLocked(region *buffer.Region, p []byte, n int) (int, er
 }
 
 // advanceLocked finishes the current slice of c and moves to the next slice
-// with bytes, or pops c at the end of its chain. The caller holds shm.mu's
-// read lock and st.mu.
+// with bytes, or pops c at the end of its chain. c is the stream's first
+// chunk, or its last one (a message pushChain just queued, whose first
+// slice is empty); an error drops c. The caller holds shm.mu's read lock
+// and st.mu.
 func (st *Stream) advanceLocked(region *buffer.Region, c *chunk) error {
 	for len(c.data) == 0 {
 		if c.off != 0 {
@@ -1541,7 +1543,7 @@ func (st *Stream) advanceLocked(region *buffer.Region, c *chunk) error {
 				st.held = append(st.held, c.off)
 				st.holdSlices(1)
 			} else if err := region.FreeWarm(c.off); err != nil {
-				st.dropHeadLocked()
+				st.dropLocked(c)
 				return err
 			} else {
 				st.s.shm.noteFreed()
@@ -1552,16 +1554,16 @@ func (st *Stream) advanceLocked(region *buffer.Region, c *chunk) error {
 			if c.hasNext || c.remain != 0 {
 				err = buffer.ErrCorrupt // the chain changed since pushChain walked it
 			}
-			st.dropHeadLocked()
+			st.dropLocked(c)
 			return err
 		}
 		if c.links >= st.s.shm.maxLinks {
-			st.dropHeadLocked()
+			st.dropLocked(c)
 			return buffer.ErrCorrupt
 		}
 		p, next, hasNext, err := region.Payload(c.next)
 		if err != nil {
-			st.dropHeadLocked()
+			st.dropLocked(c)
 			return err
 		}
 		*c = chunk{off: c.next, data: p[:min(len(p), c.remain)], next: next, hasNext: hasNext,
@@ -1570,10 +1572,32 @@ func (st *Stream) advanceLocked(region *buffer.Region, c *chunk) error {
 	return nil
 }
 
+// dropLocked forgets chunk c, the stream's first or its last, and what it
+// had left. The caller holds st.mu.
+func (st *Stream) dropLocked(c *chunk) {
+	if last := len(st.recv) - 1; c != &st.recv[st.rhead] && c == &st.recv[last] {
+		st.forgetLocked(c)
+		st.recv = st.recv[:last]
+		return
+	}
+	st.dropHeadLocked()
+}
+
 // dropHeadLocked pops the first chunk, forgetting what it had left. The
 // caller holds st.mu.
 func (st *Stream) dropHeadLocked() {
 	c := &st.recv[st.rhead]
+	st.forgetLocked(c)
+	st.rhead++
+	if st.rhead == len(st.recv) {
+		st.recv = st.recv[:0]
+		st.rhead = 0
+	}
+}
+
+// forgetLocked takes what chunk c had left out of the stream's counts and
+// clears it. The caller holds st.mu.
+func (st *Stream) forgetLocked(c *chunk) {
 	st.recycleBuf(*c)
 	st.buffered -= c.remain
 	if c.off == 0 {
@@ -1585,11 +1609,6 @@ func (st *Stream) dropHeadLocked() {
 		st.holdSlices(-1)
 	}
 	*c = chunk{}
-	st.rhead++
-	if st.rhead == len(st.recv) {
-		st.recv = st.recv[:0]
-		st.rhead = 0
-	}
 }
 
 // ---- spinning and the working-flag lease ----
