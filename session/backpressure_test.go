@@ -108,6 +108,47 @@ func TestStalledReader(t *testing.T) {
 	}
 }
 
+// Copies out of the region for stalled readers are bounded per session,
+// not only per stream: all unread bytes on the heap, copies and
+// FallbackData, count against 4 times StreamHeapLimit (docs/protocol.md
+// section 13). With the session's heap at that bound, a stalled stream's
+// messages stay in shared memory and its writer waits, as with copying
+// off; with room, they are copied out. Other streams' copies or
+// FallbackData made that heap before; without the bound, a peer that
+// opened streams nobody reads took StreamHeapLimit of heap for each.
+func TestCopyOutSessionBound(t *testing.T) {
+	for _, full := range []bool{false, true} {
+		t.Run(map[bool]string{false: "room", true: "full"}[full], func(t *testing.T) {
+			client, server := pair(t, tinyConfig())
+			c, s := streamPair(t, client, server)
+			waitFor(t, "a stalled reader", s.stalled)
+			m := &server.shm
+			var other int64
+			if full {
+				other = 4 * int64(m.heapLimit) // what other streams hold
+			}
+			m.heapUnread.Add(other)
+			defer m.heapUnread.Add(-other)
+			// Full, the write must wait; with room, it must not (the
+			// deadline only turns a regression into a failure).
+			wait := 10 * time.Second
+			if full {
+				wait = 100 * time.Millisecond
+			}
+			require.NoError(t, c.SetWriteDeadline(time.Now().Add(wait)))
+			_, err := c.Write(randomBytes(1<<20, 3))
+			spilled := server.Stats().Spilled
+			if full {
+				require.ErrorIs(t, err, os.ErrDeadlineExceeded, "the writer waits for space")
+				require.Zero(t, spilled, "bytes copied out past the session's bound")
+			} else {
+				require.NoError(t, err)
+				require.NotZero(t, spilled, "bytes copied out")
+			}
+		})
+	}
+}
+
 // A writer waiting for space is woken by what frees it, not by its timed
 // waits alone, which the runtime may round up to a millisecond: its own
 // session's reader freeing slices, or the harvest of the peer's events

@@ -252,7 +252,8 @@ type Config struct {
 	StreamMemoryLimit int
 
 	// StreamHeapLimit is how many unread bytes one stream may hold in the
-	// heap after copying them out of shared memory (see StreamMemoryLimit).
+	// heap after copying them out of shared memory (see StreamMemoryLimit),
+	// and a quarter of what all streams of the session may hold there.
 	// Past it messages stay in shared memory, the region fills, and the
 	// peer's writers wait for space (or fall back, by their Config). Bytes
 	// that arrive as FallbackData are taken up to the larger of this and

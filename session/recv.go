@@ -559,13 +559,24 @@ func (st *Stream) pushChain(region *buffer.Region, off uint32) error {
 // (docs/protocol.md section 13): it would take the stream, or all streams,
 // over their share of the region, while the region runs short and the
 // reader has stalled (or waits for more bytes than it has, see spillOwn),
-// and the heap limit allows it. A reader that keeps reading only slows its
-// writer down (backpressure): copying its data out would slow it down
-// further. The caller holds st.mu.
+// and the heap limits allow it (heapRoom). A reader that keeps reading
+// only slows its writer down (backpressure): copying its data out would
+// slow it down further. The caller holds st.mu.
 func (st *Stream) mustCopyOut(region *buffer.Region, charge, total int) bool {
 	m := &st.s.shm
 	overShm := st.shm+charge > m.streamLimit || m.unread.Load()+int64(charge) > int64(m.sessionLimit)
-	return overShm && st.heap+total <= m.heapLimit && region.FreeBytes() < m.pressureBytes && (st.stalled() || st.holdWait.Load())
+	return overShm && st.heapRoom(total) &&
+		region.FreeBytes() < m.pressureBytes && (st.stalled() || st.holdWait.Load())
+}
+
+// heapRoom reports whether a copy of n bytes out of the region fits under
+// the heap limits: the stream's (Config.StreamHeapLimit) and the
+// session's, 4 times that, which every unread byte on the heap counts
+// against, with heapChunkCost per message (docs/protocol.md section 13).
+// The caller holds st.mu.
+func (st *Stream) heapRoom(n int) bool {
+	m := &st.s.shm
+	return st.heap+n <= m.heapLimit && m.heapUnread.Load()+int64(n+heapChunkCost) <= 4*int64(m.heapLimit)
 }
 
 // pushBytes queues data that came as FallbackData; the stream owns data.
@@ -1844,7 +1855,8 @@ func (s *Session) spillStalled() (stuck bool) {
 }
 
 // spill replaces every unread message of st held in shared memory by a
-// copy on the heap, within Config.StreamHeapLimit, and frees its slices.
+// copy on the heap, within the heap limits (heapRoom), and frees its
+// slices.
 // Messages with a zero-copy view out stay. It returns the capacity of the
 // slices that st's unread data still occupies, in bytes. The caller holds
 // shm.mu's read lock.
@@ -1856,7 +1868,7 @@ func (st *Stream) spill(region *buffer.Region) (held int) {
 		if c.off == 0 || c.pinned {
 			continue
 		}
-		if st.heap+c.remain > st.s.shm.heapLimit {
+		if !st.heapRoom(c.remain) {
 			break
 		}
 		data, buf := getSpillBuf(c.remain)
