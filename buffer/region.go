@@ -19,6 +19,14 @@ const (
 	// the per-offset list lookup short and what a peer can make us allocate
 	// small.
 	maxLists = 32
+	// maxSlices is the most slices, all lists together, that Format writes
+	// and Attach accepts (docs/protocol.md section 2.1). A session may hold
+	// one unread message, a queue entry on its heap, per slice of the
+	// region, and the peer picks the geometry: 4-byte slices in a sparse
+	// 4 GiB file would have made that some 180 million entries, about
+	// 13 GB. 2^20 admits a 4 GiB region of 4 KiB slices and bounds the
+	// entries to about 75 MB; the default region has a few thousand.
+	maxSlices = 1 << 20
 )
 
 // A SizeClass describes one buffer list of a region to Format.
@@ -91,9 +99,10 @@ type Region struct {
 // positive multiple of 4, with percents summing to 100; each list gets
 // floor(floor(regionCap*Percent/100) / (SliceSize+20)) slices, where
 // regionCap = len(mem) - 8 - 36*len(classes) (less the region header and
-// the list headers), and each must get at least 2. mem must be 4-byte
-// aligned (a mapping is) and shorter than 4 GiB. The bytes of mem after the lists and the slices'
-// data are left as they are.
+// the list headers), and each must get at least 2, all together at most
+// 2^20 (maxSlices). mem must be 4-byte aligned (a mapping is) and shorter
+// than 4 GiB. The bytes of mem after the lists and the slices' data are
+// left as they are.
 //
 // Format returns an error naming the condition when one above does
 // not hold; mem is then unchanged. Only the creator of the region formats
@@ -162,19 +171,26 @@ func layout(size uint64, classes []SizeClass) ([]uint64, error) {
 	}
 	regionCap := size - headers
 	counts := make([]uint64, n)
+	var total uint64
 	for i, c := range classes {
 		counts[i] = regionCap * uint64(c.Percent) / 100 / (uint64(c.SliceSize) + sliceHeaderSize)
 		if counts[i] < 2 {
 			return nil, fmt.Errorf("buffer: format: class %d (%d-byte slices at %d%%) gets %d slices of %d bytes, want at least 2: %w",
 				i, c.SliceSize, c.Percent, counts[i], size, errBadConfig)
 		}
+		total += counts[i]
+	}
+	if total > maxSlices {
+		return nil, fmt.Errorf("buffer: format: %d slices in %d bytes, want at most %d (larger slices or a smaller region): %w",
+			total, size, maxSlices, errBadConfig)
 	}
 	return counts, nil
 }
 
 // Attach returns a view of a region a peer formatted in mem (docs/protocol.md
 // sections 2.1 and 2.2). It checks the header against the mapping: 1 to
-// 32 lists, each with at least one slice, a slice size that is a
+// 32 lists, each with at least one slice, at most 2^20 slices in all
+// (maxSlices), a slice size that is a
 // positive multiple of 4 and not below the previous list's, all lying back
 // to back inside mem and together exactly the header's used bytes. The
 // free lists themselves (free count, head, tail, links) are not checked
@@ -200,6 +216,7 @@ func Attach(mem []byte) (*Region, error) {
 	base := unsafe.Pointer(unsafe.SliceData(mem))
 	lists := make([]list, n)
 	off := uint64(regionHeaderSize)
+	total := uint64(0)
 	for i := range lists {
 		if off+listHeaderSize > limit {
 			return nil, fmt.Errorf("buffer: attach: list %d at %d: header past the used bytes (%d): %w", i, off, limit, ErrCorrupt)
@@ -208,6 +225,10 @@ func Attach(mem []byte) (*Region, error) {
 		size := binary.NativeEndian.Uint32(mem[off+listOffSliceSize:])
 		if slices == 0 || size == 0 || size%fieldAlign != 0 {
 			return nil, fmt.Errorf("buffer: attach: list %d at %d: cap %d, slice size %d: %w", i, off, slices, size, ErrCorrupt)
+		}
+		if total += uint64(slices); total > maxSlices {
+			return nil, fmt.Errorf("buffer: attach: list %d at %d: %d slices so far, more than the %d a region may have: %w",
+				i, off, total, maxSlices, ErrCorrupt)
 		}
 		if i > 0 && size < lists[i-1].dataSize {
 			return nil, fmt.Errorf("buffer: attach: list %d at %d: slice size %d below the previous list's %d: %w",

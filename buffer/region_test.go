@@ -57,6 +57,7 @@ func TestFormatBadConfig(t *testing.T) {
 		{"list of one slice", smallSize, []SizeClass{{124, 99}, {508, 1}}},
 		{"slice larger than memory", smallSize, []SizeClass{{1 << 20, 100}}},
 		{"huge slice size", smallSize, []SizeClass{{1<<32 - 4, 100}}},
+		{"more slices than a region may have", regionHeaderSize + listHeaderSize + (maxSlices+1)*24, []SizeClass{{4, 100}}},
 		{"memory below headers", 40, []SizeClass{{124, 100}}},
 		{"memory below region header", 4, []SizeClass{{124, 100}}},
 		{"no memory", 0, []SizeClass{{124, 100}}},
@@ -145,6 +146,32 @@ func TestAttachGarbage(t *testing.T) {
 			require.Nil(t, r)
 		})
 	}
+}
+
+// A region may have 2^20 slices (maxSlices), not one more: Format writes
+// that many and Attach takes them, and a peer's header claiming more is
+// refused, whatever the mapping's size (docs/protocol.md section 2.1).
+func TestMaxSlices(t *testing.T) {
+	littleEndian(t)
+	size := regionHeaderSize + listHeaderSize + maxSlices*24
+	mem := make([]byte, size)
+	r, err := Format(mem, []SizeClass{{4, 100}})
+	require.NoError(t, err)
+	slices, _ := r.Capacity()
+	require.Equal(t, maxSlices, slices)
+	_, err = Attach(mem)
+	require.NoError(t, err)
+
+	// One more, by hand: one list of maxSlices+1 slices of 4 bytes.
+	mem = make([]byte, size+24)
+	mem[0] = 1
+	put32(mem, 4, listHeaderSize+(maxSlices+1)*24)
+	put32(mem, regionHeaderSize+listOffCap, maxSlices+1)
+	put32(mem, regionHeaderSize+listOffSliceSize, 4)
+	r, err = Attach(mem)
+	require.ErrorIs(t, err, ErrCorrupt)
+	require.ErrorContains(t, err, "more than the")
+	require.Nil(t, r)
 }
 
 func TestAttachSharesState(t *testing.T) {

@@ -110,6 +110,9 @@ type Config struct {
 	// and 50 percent. The existing peers' default,
 	// buffer.PeerSizeClasses(), gives the same sizes 50, 30 and 20 percent:
 	// more slices for small messages, fewer of the largest for bulk data.
+	// A region has at most 2^20 slices in all (docs/protocol.md section
+	// 2.1): Validate refuses classes and a BufferSize that make more, and
+	// a server refuses a peer's region that has more.
 	SizeClasses []buffer.SizeClass
 
 	// QueueCap is the number of events per direction of the IO queue a
