@@ -243,6 +243,30 @@ func TestHostileTruncation(t *testing.T) {
 	})
 }
 
+// A client that truncates its unsealed memfd while the server hashes what
+// it sent, through io.Copy into a SHA-256 (the stream's WriteTo), ends its
+// own session; the server process lives. WriteTo handed the hash slices of
+// shared memory, and the hash's read of a page cut away killed the server
+// with SIGBUS; now, on memory the peer can shrink, it hands it a copy.
+func TestHostileTruncationDuringCopy(t *testing.T) {
+	proc, addr, dir := startServerPeer(t)
+	p := dialHostile(t, addr)
+	var w buffer.ChainWriter
+	w.Reset(p.region)
+	_, err := w.Write(peertest.Command(peertest.CmdDigest, 0))
+	require.NoError(t, err)
+	_, err = w.Write(make([]byte, 3<<20))
+	require.NoError(t, err)
+	head, _ := w.Finish()
+	require.NoError(t, p.send.Put(queue.Event{StreamID: 2, Offset: head}))
+	p.wake(t)
+	// The server's first byte back: it is hashing, piece by piece.
+	require.Eventually(t, func() bool { return !p.recv.Empty() }, 10*time.Second, 50*time.Microsecond, "the server's first byte")
+	require.NoError(t, unix.Ftruncate(p.bufFd, 0))
+	waitHangup(t, p.conn)
+	requireStillServes(t, proc, addr, dir)
+}
+
 // A client that sends, in place of a memfd, a file of a disk's file system
 // is refused before the server maps it: a page fault on a file system the
 // peer controls (FUSE, NFS) could hold a server thread in the kernel for

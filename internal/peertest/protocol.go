@@ -1,8 +1,10 @@
 package peertest
 
 import (
+	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
+	"hash"
 	"io"
 	"net"
 	"sync"
@@ -14,6 +16,10 @@ const (
 	CmdEcho     = 'E' // echo every byte until EOF, then close
 	CmdGenerate = 'G' // write arg bytes of Pattern(arg), then close
 	CmdCounted  = 'C' // echo every byte until EOF, and count the request
+	// CmdDigest hashes every byte until EOF with io.Copy into a SHA-256
+	// (the stream's WriteTo), writing one byte back after each piece the
+	// hash takes, then the 32-byte sum.
+	CmdDigest = 'D'
 )
 
 // Command returns the 9 bytes of command cmd with argument arg.
@@ -96,6 +102,13 @@ func ServeStream(conn net.Conn) error {
 	case CmdEcho, CmdCounted:
 		_, err := io.Copy(conn, conn)
 		return err
+	case CmdDigest:
+		h := &progressHash{Hash: sha256.New(), conn: conn}
+		if _, err := io.Copy(h, conn); err != nil {
+			return err
+		}
+		_, err := conn.Write(h.Sum(nil))
+		return err
 	case CmdGenerate:
 		buf := make([]byte, 64<<10)
 		for off := 0; off < int(arg); off += len(buf) {
@@ -108,6 +121,21 @@ func ServeStream(conn net.Conn) error {
 		return nil
 	}
 	return fmt.Errorf("unknown command %q", cmd)
+}
+
+// progressHash is CmdDigest's hash: each Write hashes p, then writes one
+// byte to conn.
+type progressHash struct {
+	hash.Hash
+	conn net.Conn
+}
+
+func (h *progressHash) Write(p []byte) (int, error) {
+	h.Hash.Write(p)
+	if _, err := h.conn.Write([]byte{1}); err != nil {
+		return 0, err
+	}
+	return len(p), nil
 }
 
 // ServeEach accepts streams on ln until it is closed and runs handle on
