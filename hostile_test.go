@@ -244,24 +244,32 @@ func TestHostileTruncation(t *testing.T) {
 }
 
 // A client that truncates its unsealed memfd while the server hashes what
-// it sent, through io.Copy into a SHA-256 (the stream's WriteTo), ends its
-// own session; the server process lives. WriteTo handed the hash slices of
-// shared memory, and the hash's read of a page cut away killed the server
-// with SIGBUS; now, on memory the peer can shrink, it hands it a copy.
+// it sends, through io.Copy into a SHA-256 (the stream's WriteTo), ends
+// its own session; the server process lives. WriteTo handed the hash
+// slices of shared memory, and the hash's read of a page cut away killed
+// the server with SIGBUS; now, on memory the peer can shrink, it hands it
+// a copy. The client keeps the server hashing: a message of 1 MiB each
+// time the server has freed the room for one, and the cut comes after the
+// fourth, while the server still hashes the ones before.
 func TestHostileTruncationDuringCopy(t *testing.T) {
 	proc, addr, dir := startServerPeer(t)
 	p := dialHostile(t, addr)
-	var w buffer.ChainWriter
-	w.Reset(p.region)
-	_, err := w.Write(peertest.Command(peertest.CmdDigest, 0))
-	require.NoError(t, err)
-	_, err = w.Write(make([]byte, 3<<20))
-	require.NoError(t, err)
-	head, _ := w.Finish()
-	require.NoError(t, p.send.Put(queue.Event{StreamID: 2, Offset: head}))
-	p.wake(t)
-	// The server's first byte back: it is hashing, piece by piece.
-	require.Eventually(t, func() bool { return !p.recv.Empty() }, 10*time.Second, 50*time.Microsecond, "the server's first byte")
+	var head uint32
+	for i := range 4 {
+		require.Eventually(t, func() bool { return p.region.FreeBytes() >= 3<<19 }, 10*time.Second, 50*time.Microsecond,
+			"room for message %d", i)
+		var w buffer.ChainWriter
+		w.Reset(p.region)
+		if i == 0 {
+			_, err := w.Write(peertest.Command(peertest.CmdDigest, 0))
+			require.NoError(t, err)
+		}
+		_, err := w.Write(make([]byte, 1<<20))
+		require.NoError(t, err)
+		head, _ = w.Finish()
+		require.NoError(t, p.send.Put(queue.Event{StreamID: 2, Offset: head}))
+		p.wake(t)
+	}
 	require.NoError(t, unix.Ftruncate(p.bufFd, 0))
 	// Should the server have hashed it all before the cut, and now wait for
 	// more, the same event again makes it look at the cut memory. Its
