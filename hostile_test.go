@@ -232,15 +232,22 @@ func TestHostileTruncation(t *testing.T) {
 		require.NoError(t, p.send.Put(queue.Event{StreamID: 2, Offset: head}))
 		p.wake(t)
 		// Cut the memory while the server receives it or copies it out.
-		require.NoError(t, unix.Ftruncate(p.bufFd, 0))
-		// Should the server have read and echoed it all before the cut, the
-		// same event again makes it look at the cut memory. Its Polling may
-		// find the connection closed already: its error does not matter.
-		require.NoError(t, p.send.Put(queue.Event{StreamID: 2, Offset: head}))
-		_, _ = p.conn.Write(wireHeader(msgPolling, 0))
-		waitHangup(t, p.conn)
+		p.cutAndRequireHangup(t, 2, head)
 		requireStillServes(t, proc, addr, dir)
 	})
+}
+
+// cutAndRequireHangup truncates the peer's buffer and waits until the
+// server hangs up. Should the server have taken the last message, at head
+// on stream id, before the cut and now wait for more, the same event
+// again makes it look at the cut memory. Its Polling may find the
+// connection closed already: its error does not matter.
+func (p *hostilePeer) cutAndRequireHangup(t *testing.T, id, head uint32) {
+	t.Helper()
+	require.NoError(t, unix.Ftruncate(p.bufFd, 0))
+	require.NoError(t, p.send.Put(queue.Event{StreamID: id, Offset: head}))
+	_, _ = p.conn.Write(wireHeader(msgPolling, 0))
+	waitHangup(t, p.conn)
 }
 
 // A client that truncates its unsealed memfd while the server hashes what
@@ -270,14 +277,7 @@ func TestHostileTruncationDuringCopy(t *testing.T) {
 		require.NoError(t, p.send.Put(queue.Event{StreamID: 2, Offset: head}))
 		p.wake(t)
 	}
-	require.NoError(t, unix.Ftruncate(p.bufFd, 0))
-	// Should the server have hashed it all before the cut, and now wait for
-	// more, the same event again makes it look at the cut memory. Its
-	// Polling may find the connection closed already: its error does not
-	// matter.
-	require.NoError(t, p.send.Put(queue.Event{StreamID: 2, Offset: head}))
-	_, _ = p.conn.Write(wireHeader(msgPolling, 0))
-	waitHangup(t, p.conn)
+	p.cutAndRequireHangup(t, 2, head)
 	requireStillServes(t, proc, addr, dir)
 }
 
