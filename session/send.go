@@ -751,8 +751,10 @@ func (st *Stream) outside(f func()) (closed bool, err error) {
 	return closed, nil
 }
 
-// stagePool holds the heap buffers (maxEventBytes each) into which
-// ReadFrom reads sources that are not sockets until a Read fills one.
+// stagePool holds the heap buffers (maxEventBytes each) through which
+// ReadFrom reads sources that are not sockets (until a Read fills one,
+// or always on memory the peer can shrink), and WriteTo feeds writers
+// that must not touch such memory (Session.inProcessSafe).
 var stagePool = sync.Pool{New: func() any {
 	b := make([]byte, maxEventBytes)
 	return &b
