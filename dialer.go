@@ -65,7 +65,7 @@ func dialSession(ctx context.Context, cfg *Config, network, address string) (*se
 	return session.ClientContext(ctx, conn, cfg)
 }
 
-// Defaults of a Dialer's session pool.
+// Defaults of a Dialer's session pool (docs/protocol.md section 18).
 const (
 	// defaultMaxSessions is the most sessions a Dialer keeps per address.
 	defaultMaxSessions = 4
@@ -108,6 +108,7 @@ const (
 // later (the failure is logged to Config.Logger). Stream ids are reused:
 // a closed stream's id returns to its session by itself once the server
 // closed the stream too. A session idle for IdleTimeout is closed.
+// docs/protocol.md section 18 describes the pool.
 //
 // A session whose server announces a hot restart (docs/protocol.md
 // sections 5 and 14; ListenConfig.UpgradeSocket) takes no new stream and no longer
@@ -267,10 +268,11 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 // the stream at once (a 1-byte preamble announces it). Otherwise it
 // opens the stream on
 // one of the Dialer's sessions, dialing and handshaking a new session when
-// the pool calls for one (see Dialer). Concurrent dials share one
-// handshake. A shmlink server's Accept returns the stream before any byte
-// is written (it is announced, docs/protocol.md section 11); other servers
-// see it at its first byte. It returns an error wrapping ErrNetwork
+// the pool calls for one (see Dialer, docs/protocol.md section 18).
+// Concurrent dials share one handshake. A shmlink server's Accept returns
+// the stream before any byte is written (it is announced,
+// docs/protocol.md section 11); other servers see it at its first byte.
+// It returns an error wrapping ErrNetwork
 // (errors.Is) for other networks, a *ConfigError for a bad field, an error
 // satisfying errors.Is(err, net.ErrClosed) after Close, an error wrapping
 // ctx.Err() when ctx is done first (also in the middle of a handshake,
@@ -340,7 +342,8 @@ func (d *Dialer) DialStream(ctx context.Context, network, address string) (*Stre
 }
 
 // pick returns the session for the next stream to key, dialing one when
-// the pool has none or all its sessions are loaded and it may grow. The
+// the pool has none or all its sessions are loaded and it may grow
+// (docs/protocol.md section 18, "Picking a session"). The
 // session counts as opening a stream (Dialer.opening) until the caller
 // calls opened.
 func (d *Dialer) pick(ctx context.Context, key, network, address string) (*session.Session, error) {

@@ -28,7 +28,8 @@ import (
 // the application's own access to them may fault. WriteTo and ReadFrom,
 // which io.Copy calls without the application knowing, hand it shared
 // memory only where that cannot fault (inProcessSafe): otherwise they copy
-// through a buffer on the heap, under the guard.
+// through a buffer on the heap, under the guard (docs/protocol.md section
+// 13.1).
 
 // memSealed reports whether the peer cannot shrink the session's shared
 // memory: memfds sealed against shrinking, by their creator or by us
@@ -45,7 +46,8 @@ func (s *Session) memSealed() bool {
 // process. A socket or a file of package net or os hands them to the
 // kernel, whose copy from or into a page the peer truncated away fails
 // with EFAULT rather than fault (only these types: a wrapper may copy them
-// itself); io.Discard does not read them.
+// itself); io.Discard does not read them. docs/protocol.md section 13.1
+// has the rules that use it.
 func (s *Session) inProcessSafe(x any) bool {
 	switch x.(type) {
 	case *net.TCPConn, *net.UnixConn, *os.File:

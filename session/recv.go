@@ -1358,8 +1358,8 @@ func (st *Stream) ReadChunk(max int) (b []byte, err error) {
 // memfd that we could not seal, the bytes are copied to a buffer on the
 // heap first (up to 64 KiB at a time), so that a peer that truncates its
 // memory ends the session with an error instead of faulting in w.Write
-// (docs/protocol.md section 13). It returns the bytes written and nil at
-// the stream's io.EOF, Read's other errors, w's error, or
+// (docs/protocol.md sections 13 and 13.1). It returns the bytes written
+// and nil at the stream's io.EOF, Read's other errors, w's error, or
 // io.ErrShortWrite.
 func (st *Stream) WriteTo(w io.Writer) (int64, error) {
 	if !st.s.inProcessSafe(w) {

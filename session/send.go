@@ -754,7 +754,8 @@ func (st *Stream) outside(f func()) (closed bool, err error) {
 // stagePool holds the heap buffers (maxEventBytes each) through which
 // ReadFrom reads sources that are not sockets (until a Read fills one,
 // or always on memory the peer can shrink), and WriteTo feeds writers
-// that must not touch such memory (Session.inProcessSafe).
+// that must not touch such memory (Session.inProcessSafe;
+// docs/protocol.md section 13.1).
 var stagePool = sync.Pool{New: func() any {
 	b := make([]byte, maxEventBytes)
 	return &b
@@ -841,7 +842,8 @@ func (w *srcWaiter) wait() { _ = w.rc.Read(w.fn) }
 // only when the peer cannot shrink the memory (a sealed memfd) or r is an
 // *os.File: otherwise a peer that truncated its memory would make r's copy
 // fault, so every Read goes to the heap buffer, and the copy into shared
-// memory runs under the fault guard (docs/protocol.md section 13).
+// memory runs under the fault guard (docs/protocol.md sections 13 and
+// 13.1).
 //
 // A Close while ReadFrom waits on r returns at once (so does the
 // session's Close). ReadFrom returns ErrStreamClosed once r has something

@@ -758,7 +758,8 @@ func (s *Session) CloseWhenIdle() {
 // SetIdleTimeout makes the session end once it has had no stream for d:
 // none open and none waiting for the peer's close. OpenStream then returns
 // ErrSessionClosed. Zero or a negative d turns the timeout off. It is meant
-// for a pool of client sessions (shmlink.Dialer).
+// for a pool of client sessions (shmlink.Dialer, docs/protocol.md
+// section 18).
 func (s *Session) SetIdleTimeout(d time.Duration) {
 	s.mu.Lock()
 	s.idle.timeout = d
