@@ -6,6 +6,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"net"
+	"slices"
 	"sync"
 	"time"
 
@@ -330,6 +331,12 @@ func (d *Dialer) DialStream(ctx context.Context, network, address string) (*Stre
 			// The server handed over to a new process since the session
 			// was picked: pick again, which dials the new process.
 			draining++
+		case errors.Is(err, session.ErrStreamIDs):
+			// The session has used up its stream ids (a server that never
+			// answers closes, so that no id comes back): set it aside and
+			// pick again, which dials a new session.
+			d.retireSpent(key, s)
+			ended++
 		case s.Err() != nil:
 			// The session ended since it was picked (idle timeout, peer
 			// gone): pick again.
@@ -579,6 +586,22 @@ func (p *sessionPool) retireDraining(s *session.Session) bool {
 	p.epoch = max(p.epoch, epoch)
 	p.draining = append(p.draining, s)
 	return true
+}
+
+// retireSpent sets s, a session of key's pool whose stream ids are
+// exhausted, aside with the draining sessions: no new stream goes to it,
+// it no longer counts against MaxSessions, and it ends once its last
+// stream is done (Session.CloseWhenIdle), or at Close.
+func (d *Dialer) retireSpent(key string, s *session.Session) {
+	d.mu.Lock()
+	if p := d.pools[key]; p != nil {
+		if i := slices.Index(p.sessions, s); i >= 0 {
+			p.sessions = slices.Delete(p.sessions, i, i+1)
+			p.draining = append(p.draining, s)
+		}
+	}
+	d.mu.Unlock()
+	s.CloseWhenIdle()
 }
 
 // pruneDraining forgets the draining sessions that have ended.

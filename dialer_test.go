@@ -6,12 +6,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/shmlink/shmlink"
+	"github.com/shmlink/shmlink/internal/testhook"
 	"github.com/shmlink/shmlink/session"
 	"github.com/stretchr/testify/require"
 )
@@ -79,6 +81,45 @@ func TestDialerPool(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, c.Close())
 	require.Equal(t, 1, d.NumSessions())
+}
+
+// A session whose stream ids ran out (against a server that never answers
+// closes, no id comes back for reuse) is set aside: the dial that found it
+// so opens its stream on a new session, and the spent session serves its
+// streams until the last one closes, and then ends. docs/protocol.md
+// section 18.
+func TestDialerSessionOutOfIDs(t *testing.T) {
+	testhook.FirstStreamID.Store(math.MaxUint32 - 1) // two ids per session
+	defer testhook.FirstStreamID.Store(0)
+	ln, cfg := listen(t, "unix")
+	defer serveEcho(ln, 3)()
+	d := &shmlink.Dialer{Config: cfg, IdleTimeout: -1} // no idle timeout: the spent session must end by itself
+	defer d.Close()
+	var conns []*shmlink.Stream
+	for range 3 {
+		c, err := d.DialStream(t.Context(), "unix", ln.Addr().String())
+		require.NoError(t, err)
+		conns = append(conns, c)
+	}
+	spent := conns[0].Session()
+	require.Same(t, spent, conns[1].Session())
+	require.NotSame(t, spent, conns[2].Session(), "the third stream went to a new session")
+	require.Equal(t, 2, d.NumSessions(), "the spent session is kept while it has streams")
+	for i, c := range conns {
+		requireEcho(t, c, fmt.Sprint("stream ", i))
+	}
+	require.NoError(t, conns[0].Close())
+	require.NoError(t, spent.Err(), "one stream is left on the spent session")
+	require.NoError(t, conns[1].Close())
+	select {
+	case <-spent.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the spent session did not end after its last stream closed")
+	}
+	require.ErrorIs(t, spent.Err(), session.ErrSessionClosed)
+	require.Equal(t, 1, d.NumSessions())
+	requireEcho(t, conns[2], "the new session is unaffected")
+	require.NoError(t, conns[2].Close())
 }
 
 // A session that dies (here: the server closed it) is replaced on the

@@ -1,6 +1,7 @@
 package session
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"math"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/shmlink/shmlink/buffer"
 	"github.com/shmlink/shmlink/internal/shm"
+	"github.com/shmlink/shmlink/internal/testhook"
 	"github.com/shmlink/shmlink/queue"
 )
 
@@ -257,7 +259,7 @@ func start(ctx context.Context, conn net.Conn, cfg *Config, isClient bool) (*Ses
 		tab: streamTable{
 			routed:   make(map[uint32]*Stream),
 			live:     make(map[*Stream]struct{}),
-			nextID:   2, // docs/protocol.md section 4
+			nextID:   cmp.Or(testhook.FirstStreamID.Load(), 2), // docs/protocol.md section 4
 			acceptCh: make(chan struct{}, 1),
 		},
 		dead: make(chan struct{}),
