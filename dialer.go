@@ -135,12 +135,12 @@ type Dialer struct {
 	// address. Zero means 4; negative is invalid.
 	MaxSessions int
 
-	// StreamsPerSession is the number of open streams (including ones
-	// waiting for the server's close) on every session at which a Dial
-	// opens another session, while there are fewer than MaxSessions. It is
-	// a threshold, not a cap: at MaxSessions, streams keep going to the
-	// least loaded session. Zero means 256;
-	// negative is invalid.
+	// StreamsPerSession is the number of streams (Session.NumStreams: on a
+	// client, those the application has not closed) on every session at
+	// which a Dial opens another session, while there are fewer than
+	// MaxSessions. It is a threshold, not a cap: at MaxSessions, streams
+	// keep going to the least loaded session. Zero means 256; negative is
+	// invalid.
 	StreamsPerSession int
 
 	// IdleTimeout is how long a session without any stream is kept before
@@ -273,16 +273,19 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 // Concurrent dials share one handshake. A shmlink server's Accept returns
 // the stream before any byte is written (it is announced,
 // docs/protocol.md section 11); other servers see it at its first byte.
-// It returns an error wrapping ErrNetwork
-// (errors.Is) for other networks, a *ConfigError for a bad field, an error
+// network is "unix", "tcp", "tcp4", "tcp6" or "quic"; each network and
+// address string has a pool of its own. It returns an error wrapping
+// ErrNetwork (errors.Is) for other networks, a *ConfigError for a bad field, an error
 // satisfying errors.Is(err, net.ErrClosed) after Close, an error wrapping
 // ctx.Err() when ctx is done first (also in the middle of a handshake,
 // which it then ends), and the dial or handshake error; a failed
 // handshake, on "quic" too, wraps ErrHandshake. Opening the stream on a
 // session can fail with ErrQueueFull (the server left the IO queue full
-// for Config.QueueFullTimeout) or session.ErrStreamIDs; a session that turned out
-// to be draining for a hot upgrade, or ended, is passed over for another,
-// up to 8 and 3 times, and then its session.ErrDraining or error is returned. On
+// for Config.QueueFullTimeout). A session that turned out to be draining
+// for a hot upgrade is passed over for another, and so is one that ended or
+// whose stream ids ran out (session.ErrStreamIDs; it is set aside and ends
+// after its last stream): the 8th draining session, or the 3rd of the
+// others, ends the dial with its session.ErrDraining or error. On
 // "quic", when every connection dialed was draining, it returns
 // ErrStreamRefused. A dial that waits for another's handshake
 // dials again if that one ended for its own context.

@@ -150,7 +150,8 @@ func (s *Session) handleHotRestartAck(payload []byte) error {
 }
 
 // maybeAck sends the HotRestartAck of a draining client session once it
-// has no stream left, neither open nor waiting for the server's close.
+// has no stream left: none routed and none that the application has yet
+// to Close (a client routes no stream the application closed).
 // From the moment it decides to, OpenStream fails with ErrDraining, so no
 // stream can slip in after the ack.
 func (s *Session) maybeAck() {

@@ -752,8 +752,9 @@ func (st *Stream) outside(f func()) (closed bool, err error) {
 }
 
 // stagePool holds the heap buffers (maxEventBytes each) through which
-// ReadFrom reads sources that are not sockets (until a Read fills one,
-// or always on memory the peer can shrink), and WriteTo feeds writers
+// ReadFrom reads sources that are not sockets (until a Read fills one;
+// on memory the peer can shrink, always unless the source is an *os.File),
+// and WriteTo feeds writers
 // that must not touch such memory (Session.inProcessSafe;
 // docs/protocol.md section 13.1).
 var stagePool = sync.Pool{New: func() any {

@@ -150,9 +150,10 @@ type sharedMem struct {
 
 // streamTable holds a session's streams, guarded by Session.mu.
 type streamTable struct {
-	// routed maps ids to the streams events go to: open streams and
-	// streams waiting for the peer's close. A stream leaves it once both
-	// closes were exchanged, so that a later event for its id is a new
+	// routed maps ids to the streams events go to: open streams and, on
+	// a server, streams waiting for the peer's close. A stream leaves it
+	// once both closes were exchanged (on a client, once the application
+	// closed it: forgetClosed), so that a later event for its id is a new
 	// stream.
 	routed map[uint32]*Stream
 	// live holds the streams not yet closed locally, routed or not: they
@@ -361,7 +362,9 @@ func (s *Session) Err() error {
 }
 
 // NumStreams returns the number of streams the session routes events to:
-// open ones and closed ones still waiting for the peer's close.
+// open ones, and on a server closed ones still waiting for the peer's
+// close. A client stops routing a stream when the application closes it
+// (Close, not CloseWrite), whether or not the server closed it too.
 func (s *Session) NumStreams() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -758,7 +761,8 @@ func (s *Session) CloseWhenIdle() {
 }
 
 // SetIdleTimeout makes the session end once it has had no stream for d:
-// none open and none waiting for the peer's close. OpenStream then returns
+// none routed (NumStreams is 0) and none that the application has yet to
+// Close. OpenStream then returns
 // ErrSessionClosed. Zero or a negative d turns the timeout off. It is meant
 // for a pool of client sessions (shmlink.Dialer, docs/protocol.md
 // section 18).
