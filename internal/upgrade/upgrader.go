@@ -2,6 +2,7 @@ package upgrade
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -49,8 +50,12 @@ type Config struct {
 // listening socket (the "quic" network: a socket to forward the old
 // generation's packets into, docs/protocol.md section 17). Extras returns
 // them, owned by the ExtraSender, and done, which the Upgrader calls once
-// the handover succeeded (ok) or failed; they follow the upgrade socket
-// in the message, and the new process finds them in Received.
+// the handover succeeded (ok) or failed (a nil done is not called); they
+// follow the upgrade socket in the message, and the new process finds them
+// in Received. When Extras returns an error, the Upgrader refuses the
+// request with reason 3 (the new process's TakeOver returns
+// ErrHandoverFailed), logs the error and serves on (docs/protocol.md
+// section 14).
 type ExtraSender interface {
 	Extras() (lns []net.Listener, done func(ok bool), err error)
 }
@@ -328,16 +333,23 @@ func (u *Upgrader) grant(conn *net.UnixConn, pid int) (kept bool) {
 	epoch := u.epoch + 1
 	lns := []net.Listener{u.ln, u.uln}
 	extrasDone := func(bool) {}
-	var err error
 	if es, ok := u.l.(ExtraSender); ok {
-		var extras []net.Listener
-		if extras, extrasDone, err = es.Extras(); err == nil {
-			lns = append(lns, extras...)
+		extras, done, err := es.Extras()
+		if err != nil {
+			// Nothing was sent: refuse (docs/protocol.md section 14,
+			// reason 3), and serve on. The state goes back first, so
+			// that the new process may ask again as soon as it reads
+			// the refusal.
+			u.failed(pid, fmt.Errorf("the sockets to hand over beside the listener: %w", err))
+			writeFrame(conn, opRefuse, refuseFailed)
+			return false
+		}
+		lns = append(lns, extras...)
+		if done != nil {
+			extrasDone = done
 		}
 	}
-	if err == nil {
-		err = writeFrame(conn, opGrant, epoch)
-	}
+	err := writeFrame(conn, opGrant, epoch)
 	if err == nil {
 		err = sock.SendListeners(conn, lns...)
 	}
@@ -345,13 +357,11 @@ func (u *Upgrader) grant(conn *net.UnixConn, pid int) (kept bool) {
 		_, err = readOp(conn, opReady)
 	}
 	extrasDone(err == nil)
-	u.mu.Lock()
 	if err != nil {
-		u.stepLocked(evFail)
-		u.mu.Unlock()
-		u.log.Warn("shmlink: upgrade failed; still serving", "pid", pid, "err", err)
+		u.failed(pid, err)
 		return false
 	}
+	u.mu.Lock()
 	u.stepLocked(evReady)
 	closing := u.state.closing()
 	if !closing {
@@ -366,6 +376,15 @@ func (u *Upgrader) grant(conn *net.UnixConn, pid int) (kept bool) {
 	}
 	u.drain(u.l.HandOver(epoch))
 	return true
+}
+
+// failed ends a granted handover with the new process of pid that failed
+// before ready, for err: this generation serves on as before.
+func (u *Upgrader) failed(pid int, err error) {
+	u.mu.Lock()
+	u.stepLocked(evFail)
+	u.mu.Unlock()
+	u.log.Warn("shmlink: upgrade failed; still serving", "pid", pid, "err", err)
 }
 
 // drain waits until idle is closed (the Listener serves no connection),
