@@ -2,6 +2,9 @@ package upgrade
 
 import (
 	"context"
+	"fmt"
+	"io"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -12,6 +15,7 @@ import (
 
 	"github.com/shmlink/shmlink/internal/sock"
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // fakeListener is the Listener an Upgrader drives, in the test process:
@@ -129,4 +133,130 @@ func TestUpgradeExtrasFailRefuses(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the old generation did not drain")
 	}
+}
+
+// socketFd returns the descriptor of c, a socket, for use while c is open.
+func socketFd(t *testing.T, c syscall.Conn) int {
+	t.Helper()
+	rc, err := c.SyscallConn()
+	require.NoError(t, err)
+	var fd int
+	require.NoError(t, rc.Control(func(f uintptr) { fd = int(f) }))
+	return fd
+}
+
+// openFds counts this process's open descriptors.
+func openFds(t *testing.T) int {
+	t.Helper()
+	entries, err := os.ReadDir("/proc/self/fd")
+	require.NoError(t, err)
+	return len(entries)
+}
+
+// A connected socket sent in place of the listening socket, or of the
+// upgrade socket, is refused before ready, with an error that says so,
+// and nothing received stays open. net.FileListener took it: the new
+// process sent ready, and its Accept then failed with EINVAL.
+func TestUpgradeRefusesConnectedSocket(t *testing.T) {
+	for _, bad := range []int{0, 1} {
+		t.Run(fmt.Sprintf("descriptor %d", bad), func(t *testing.T) {
+			cfg := testConfig(t)
+			uln, err := sock.ListenUnix(cfg.Path, 0o600) // a fake old process's
+			require.NoError(t, err)
+			defer uln.Close()
+			ln, err := sock.ListenUnix(cfg.Address, 0o600)
+			require.NoError(t, err)
+			defer ln.Close()
+			conn, err := net.Dial("unix", cfg.Address) // connected
+			require.NoError(t, err)
+			defer conn.Close()
+			peer, err := ln.Accept()
+			require.NoError(t, err)
+			defer peer.Close()
+			fds := []int{socketFd(t, ln), socketFd(t, uln)} // valid while they are open
+			fds[bad] = socketFd(t, conn.(*net.UnixConn))
+			before := openFds(t)
+
+			// What the fake old process read after the sockets, once it
+			// has closed its connection.
+			answer := make(chan error, 1)
+			go func() {
+				c, err := uln.AcceptUnix()
+				if err != nil {
+					answer <- err
+					return
+				}
+				_, err = readOp(c, opRequest)
+				if err == nil {
+					err = writeFrame(c, opGrant, 1)
+				}
+				if err == nil {
+					_, _, err = c.WriteMsgUnix([]byte{0}, unix.UnixRights(fds...), nil)
+				}
+				if err == nil {
+					_, _, err = readFrame(c)
+				}
+				c.Close()
+				answer <- err
+			}()
+			_, _, err = TakeOver(context.Background(), cfg, nil)
+			require.ErrorIs(t, err, sock.ErrNotListening)
+			require.ErrorContains(t, err, fmt.Sprintf("descriptor %d received", bad))
+			require.ErrorIs(t, <-answer, io.EOF, "the new process closes without ready")
+			require.Equal(t, before, openFds(t), "descriptors left open")
+		})
+	}
+}
+
+// recordHandler is a slog.Handler that passes the records to a channel.
+type recordHandler struct{ ch chan slog.Record }
+
+func (h recordHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h recordHandler) Handle(_ context.Context, r slog.Record) error {
+	select {
+	case h.ch <- r:
+	default:
+	}
+	return nil
+}
+func (h recordHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h recordHandler) WithGroup(string) slog.Handler      { return h }
+
+// An upgrade socket whose accept fails for good (EINVAL: it is not
+// listening) is logged once as an error, and serving it stops; it was
+// logged as a warning every 100 ms for ever.
+func TestUpgradeServeStopsOnLastingError(t *testing.T) {
+	cfg := testConfig(t)
+	logs := recordHandler{make(chan slog.Record, 64)}
+	cfg.Logger = slog.New(logs)
+	ln, err := sock.ListenUnix(cfg.Address, 0o600)
+	require.NoError(t, err)
+	defer ln.Close()
+	conn, err := net.Dial("unix", cfg.Address)
+	require.NoError(t, err)
+	defer conn.Close()
+	f, err := conn.(*net.UnixConn).File()
+	require.NoError(t, err)
+	notListening, err := net.FileListener(f) // takes a connected socket
+	f.Close()
+	require.NoError(t, err)
+	u := newUpgrader(cfg, notListening.(*net.UnixListener), ln, 0, stateServing)
+	u.Start(newFakeListener())
+	defer u.Close()
+
+	select {
+	case r := <-logs.ch:
+		require.Equal(t, slog.LevelError, r.Level, "first record: %s", r.Message)
+		require.Contains(t, r.Message, "no upgrade is possible")
+	case <-time.After(10 * time.Second):
+		t.Fatal("nothing logged")
+	}
+	served := make(chan struct{})
+	go func() { u.wg.Wait(); close(served) }()
+	select {
+	case <-served:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the upgrade socket is still served")
+	}
+	require.Empty(t, logs.ch, "logged again")
 }

@@ -225,14 +225,21 @@ func (u *Upgrader) Close() {
 	}
 }
 
-// serve accepts on the upgrade socket until it is closed: by a handover,
-// or Stop.
+// serve accepts on the upgrade socket until it is closed (by a handover,
+// or Stop) or fails for good. An error that passes (sock.Retryable: out of
+// descriptors, say) is logged and retried after acceptBackoff; any other
+// (EINVAL: the socket is not listening) is logged once as an error, and
+// serve stops: the listener serves on, but cannot be upgraded any more.
 func (u *Upgrader) serve() {
 	defer u.wg.Done()
 	for {
 		conn, err := u.uln.AcceptUnix()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			if !sock.Retryable(err) {
+				u.log.Error("shmlink: upgrade socket failed; no upgrade is possible from now on", "path", u.cfg.Path, "err", err)
 				return
 			}
 			u.log.Warn("shmlink: upgrade socket accept failed", "path", u.cfg.Path, "err", err)
