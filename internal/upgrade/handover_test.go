@@ -167,14 +167,16 @@ func TestUpgradeRefusesConnectedSocket(t *testing.T) {
 			ln, err := sock.ListenUnix(cfg.Address, 0o600)
 			require.NoError(t, err)
 			defer ln.Close()
-			conn, err := net.Dial("unix", cfg.Address) // connected
+			conn, err := net.Dial("unix", cfg.Address)
 			require.NoError(t, err)
 			defer conn.Close()
 			peer, err := ln.Accept()
 			require.NoError(t, err)
 			defer peer.Close()
 			fds := []int{socketFd(t, ln), socketFd(t, uln)} // valid while they are open
-			fds[bad] = socketFd(t, conn.(*net.UnixConn))
+			// The accepted end: its address is the listener's, so it
+			// passes checkReceived.
+			fds[bad] = socketFd(t, peer.(*net.UnixConn))
 			before := openFds(t)
 
 			// What the fake old process read after the sockets, once it
