@@ -262,3 +262,107 @@ func TestUpgradeServeStopsOnLastingError(t *testing.T) {
 	}
 	require.Empty(t, logs.ch, "logged again")
 }
+
+// requireServes checks that the sockets of the generation of ln serve:
+// ln accepts, and the upgrade socket's file takes a connection.
+func requireServes(t *testing.T, cfg Config, ln net.Listener) {
+	t.Helper()
+	requireAccepts(t, ln, cfg.Address)
+	c, err := net.Dial("unix", cfg.Path)
+	require.NoError(t, err, "the upgrade socket")
+	c.Close()
+}
+
+// A generation that closes without handing over leaves the socket files of
+// a process that listened afresh meanwhile (its sockets closed, so that
+// process removed their files as stale and bound its own): with no grant
+// pending, Stop removes the files while the sockets still listen; with
+// one, Close removes them after a failed handover only if the paths still
+// name the files it had. Close removed both paths in both cases: the new
+// process's files were gone.
+func TestUpgradeCloseKeepsNewFiles(t *testing.T) {
+	t.Run("no grant", func(t *testing.T) {
+		cfg := testConfig(t)
+		lnA, a := listenFirst(t, cfg)
+		a.Start(newFakeListener())
+		// As Listener.Close: Stop, close the listening socket, then Close.
+		a.Stop()
+		require.NoError(t, lnA.Close())
+		_, _, err := TakeOver(context.Background(), cfg, nil)
+		require.ErrorIs(t, err, ErrNoOwner)
+		lnB, b := listenFirst(t, cfg)
+		a.Close()
+		requireServes(t, cfg, lnB)
+
+		b.Stop()
+		require.NoError(t, lnB.Close())
+		b.Close()
+		require.NoFileExists(t, cfg.Path)
+		require.NoFileExists(t, cfg.Address)
+	})
+	t.Run("grant pending", func(t *testing.T) {
+		cfg := testConfig(t)
+		cfg.Extras = 1
+		lnA, a := listenFirst(t, cfg)
+		fl := newFakeListener()
+		making := make(chan struct{})
+		fail := make(chan error)
+		fl.setExtras(func() ([]net.Listener, func(bool), error) {
+			close(making)
+			return nil, nil, <-fail
+		})
+		a.Start(fl)
+		granted := make(chan error, 1)
+		go func() {
+			_, _, err := TakeOver(context.Background(), cfg, nil)
+			granted <- err
+		}()
+		<-making // a granted the request, and has sent nothing yet
+
+		a.Stop()
+		require.NoError(t, lnA.Close())
+		_, _, err := TakeOver(context.Background(), cfg, nil)
+		require.ErrorIs(t, err, ErrNoOwner)
+		lnB, b := listenFirst(t, cfg)
+		fds := openFds(t)
+		fail <- syscall.EMFILE
+		require.ErrorIs(t, <-granted, ErrHandoverFailed)
+		a.Close()
+		requireServes(t, cfg, lnB)
+		require.Less(t, openFds(t), fds, "a's references to its files closed")
+
+		b.Stop()
+		require.NoError(t, lnB.Close())
+		b.Close()
+		require.NoFileExists(t, cfg.Path)
+		require.NoFileExists(t, cfg.Address)
+	})
+	t.Run("grant pending, own files", func(t *testing.T) {
+		// Nobody took the paths: a's Close removes its files.
+		cfg := testConfig(t)
+		cfg.Extras = 1
+		lnA, a := listenFirst(t, cfg)
+		fl := newFakeListener()
+		making := make(chan struct{})
+		fail := make(chan error)
+		fl.setExtras(func() ([]net.Listener, func(bool), error) {
+			close(making)
+			return nil, nil, <-fail
+		})
+		a.Start(fl)
+		granted := make(chan error, 1)
+		go func() {
+			_, _, err := TakeOver(context.Background(), cfg, nil)
+			granted <- err
+		}()
+		<-making
+		a.Stop()
+		require.NoError(t, lnA.Close())
+		require.FileExists(t, cfg.Path, "the answer decides")
+		fail <- syscall.EMFILE
+		require.ErrorIs(t, <-granted, ErrHandoverFailed)
+		a.Close()
+		require.NoFileExists(t, cfg.Path)
+		require.NoFileExists(t, cfg.Address)
+	})
+}

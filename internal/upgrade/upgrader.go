@@ -88,12 +88,13 @@ type Upgrader struct {
 	log      *slog.Logger
 	uln      *net.UnixListener // the upgrade socket; owned, and sent to the next generation
 	ln       net.Listener      // the listening socket; owned by the Listener, sent too
-	sockFile string            // ln's socket file, for Close; "" for TCP and abstract sockets
+	sockFile string            // ln's socket file, for Stop and Close; "" for TCP and abstract sockets
 	epoch    uint64            // this generation's
 	received []net.Listener    // the extra sockets TakeOver received; owned by the caller
 	l        Listener          // set by Start
 
 	quit         chan struct{} // closed by Stop
+	stopped      chan struct{} // closed once Stop has dealt with the socket files
 	upgraded     chan struct{} // see Upgraded
 	upgradedOnce sync.Once
 	wg           sync.WaitGroup // serve, handle and watchPrev; Close waits
@@ -106,12 +107,33 @@ type Upgrader struct {
 	// listener (yet): Stop cuts them short. A granted one has its answer
 	// within handoverTimeout, and Close waits for it.
 	asking map[net.Conn]struct{}
+
+	// owned are the socket files that were this generation's when Stop
+	// came while a grant was pending: if the handover then failed, Close
+	// removes those that their paths still name. Set by Stop before it
+	// closes stopped; not guarded by mu.
+	owned []ownedFile
+}
+
+// ownedFile is a socket file of a generation, at path.
+type ownedFile struct {
+	path string
+	ref  fileRef
+}
+
+// socketFiles returns the paths of the socket files of this generation's
+// sockets: the upgrade socket's, and the listening socket's if it has one.
+func (u *Upgrader) socketFiles() []string {
+	if u.sockFile == "" {
+		return []string{u.cfg.Path}
+	}
+	return []string{u.cfg.Path, u.sockFile}
 }
 
 // newUpgrader returns the Upgrader of a generation of epoch, in state st,
 // that listens on ln and serves the upgrade socket uln. Neither socket
-// file is removed when its listener is closed: the last generation's Close
-// removes them.
+// file is removed when its listener is closed: the last generation's Stop
+// removes them, or its Close after a grant pending at Stop failed.
 func newUpgrader(cfg Config, uln *net.UnixListener, ln net.Listener, epoch uint64, st state) *Upgrader {
 	u := &Upgrader{
 		cfg:      cfg,
@@ -120,6 +142,7 @@ func newUpgrader(cfg Config, uln *net.UnixListener, ln net.Listener, epoch uint6
 		ln:       ln,
 		epoch:    epoch,
 		quit:     make(chan struct{}),
+		stopped:  make(chan struct{}),
 		upgraded: make(chan struct{}),
 		state:    st,
 		asking:   make(map[net.Conn]struct{}),
@@ -183,12 +206,21 @@ func (u *Upgrader) Start(l Listener) {
 // listener; it returns at once, and does nothing if called again. The
 // Upgrader calls the Listener no more after Stop, except to finish a
 // drain that the Listener's Close cuts short anyway.
+//
+// Call it before the Listener closes its listening socket: a generation
+// that owns the sockets and has no grant pending removes their files
+// first, before it closes the upgrade socket, while both still listen, so
+// that no other process can have removed them as stale and bound its own
+// at those paths. With a grant pending, the answer decides whose the
+// files are (Close); Stop only takes note of which files are this
+// generation's (docs/protocol.md section 14).
 func (u *Upgrader) Stop() {
 	u.mu.Lock()
 	if !u.stepLocked(evClose) {
 		u.mu.Unlock()
 		return
 	}
+	st := u.state
 	conns := []net.Conn{u.prev, u.next}
 	u.prev, u.next = nil, nil
 	for c := range u.asking {
@@ -196,6 +228,22 @@ func (u *Upgrader) Stop() {
 	}
 	u.mu.Unlock()
 	close(u.quit)
+	switch st {
+	case stateClosed:
+		for _, path := range u.socketFiles() {
+			os.Remove(path)
+		}
+	case stateClosingGranting:
+		for _, path := range u.socketFiles() {
+			// A file without a ref (none there, or no descriptor left)
+			// is never removed: a stale file is the lesser harm, and the
+			// next generation to listen afresh removes it.
+			if ref, ok := refFile(path); ok {
+				u.owned = append(u.owned, ownedFile{path, ref})
+			}
+		}
+	}
+	close(u.stopped)
 	u.uln.Close()
 	for _, c := range conns {
 		if c != nil {
@@ -205,22 +253,27 @@ func (u *Upgrader) Stop() {
 }
 
 // Close stops the Upgrader (Stop) and waits for its goroutines, for a
-// granted handover's answer too (at most 10 s). Then a generation that
-// still owns the sockets removes their files, and one that handed over
-// fires Upgraded. Call it once the Listener has closed its socket.
+// granted handover's answer too (at most 10 s). If that handover failed,
+// it removes the socket files that were this generation's when Stop came,
+// each only if its path still names that file: a process that listened
+// afresh meanwhile, once the sockets were closed, keeps its own
+// (docs/protocol.md section 14). A generation that handed over fires
+// Upgraded. Call it once, after the Listener has closed its socket.
 func (u *Upgrader) Close() {
 	u.Stop()
+	<-u.stopped
 	u.wg.Wait()
 	u.mu.Lock()
 	st := u.state
 	u.mu.Unlock()
-	switch st {
-	case stateClosed:
-		os.Remove(u.cfg.Path)
-		if u.sockFile != "" {
-			os.Remove(u.sockFile)
+	for _, f := range u.owned {
+		if st == stateClosed && f.ref.names(f.path) {
+			os.Remove(f.path)
 		}
-	case stateClosedHandedOver:
+		f.ref.release()
+	}
+	u.owned = nil
+	if st == stateClosedHandedOver {
 		u.fireUpgraded()
 	}
 }
