@@ -333,7 +333,7 @@ func (l *Listener) Close() error {
 	l.closeOnce.Do(func() {
 		l.stop()
 		if l.up != nil {
-			l.up.Stop()
+			l.up.Stop() // before ln.Close: it removes the socket files while they are ours (docs/protocol.md section 14)
 		}
 		err = l.ln.Close()
 		l.mu.Lock()
