@@ -69,13 +69,15 @@ type Listener interface {
 	// the listening socket (the socket lives on in the new process of
 	// epoch) and returns once no new connection can start. It sends
 	// HotRestart{epoch} on every session, and on every session whose
-	// handshake completes later, so that the clients move over. The
-	// channel it returns is closed once the listener serves no
-	// connection any more, neither session nor handshake.
+	// handshake completes later, so that the clients move over; it
+	// returns without waiting for those writes, which a client that does
+	// not read holds up to its write timeout. The drain timeout runs
+	// already. The channel it returns is closed once the listener serves
+	// no connection any more, neither session nor handshake.
 	HandOver(epoch uint64) (idle <-chan struct{})
 	// Drained closes every session left (after the drain timeout), with
-	// its streams, and returns how many; and makes the listener's Accept
-	// fail from now on: it handed over and drained.
+	// its streams, all at once, and returns how many; and makes the
+	// listener's Accept fail from now on: it handed over and drained.
 	Drained() (closed int)
 }
 
@@ -434,7 +436,11 @@ func (u *Upgrader) grant(conn *net.UnixConn, pid int) (kept bool) {
 	if closing {
 		return false // the listener's Close ends the sessions
 	}
-	u.drain(u.l.HandOver(epoch))
+	// The drain timeout runs from ready, however long HandOver takes
+	// (docs/protocol.md section 14).
+	timer := time.NewTimer(u.cfg.DrainTimeout)
+	defer timer.Stop()
+	u.drain(u.l.HandOver(epoch), timer.C)
 	return true
 }
 
@@ -448,17 +454,15 @@ func (u *Upgrader) failed(pid int, err error) {
 }
 
 // drain waits until idle is closed (the Listener serves no connection),
-// or the drain timeout, then has the Listener close the sessions left and
-// fail Accept, tells the next generation (closes its connection) and fires
-// Upgraded. If the Upgrader is stopped meanwhile, the Listener's Close does
-// the rest.
-func (u *Upgrader) drain(idle <-chan struct{}) {
-	timer := time.NewTimer(u.cfg.DrainTimeout)
-	defer timer.Stop()
+// or timeout fires (the drain timeout), then has the Listener close the
+// sessions left and fail Accept, tells the next generation (closes its
+// connection) and fires Upgraded. If the Upgrader is stopped meanwhile,
+// the Listener's Close does the rest.
+func (u *Upgrader) drain(idle <-chan struct{}, timeout <-chan time.Time) {
 	timedOut := false
 	select {
 	case <-idle:
-	case <-timer.C:
+	case <-timeout:
 		timedOut = true
 	case <-u.quit:
 		return
