@@ -108,7 +108,7 @@ func TestUpgradeDrainStalledClients(t *testing.T) {
 		stalled      = 5
 		writeTimeout = 10 * time.Second // the default: longer than the drain
 		drainTimeout = time.Second
-		closeWait    = time.Second            // Session.Close's wait, min(HandshakeTimeout, 1 s)
+		closeWait    = time.Second             // Session.Close's wait, min(HandshakeTimeout, 1 s)
 		slack        = 1500 * time.Millisecond // a busy host under -race
 	)
 	for _, closeEarly := range []bool{false, true} {
