@@ -87,7 +87,8 @@ type ListenConfig struct {
 
 	// DrainTimeout is how long a listener that handed its socket over
 	// waits for its sessions to acknowledge the hot restart and end before
-	// it closes those left. Zero means 10 s;
+	// it closes those left, counted from the moment the new process took
+	// the socket over (docs/protocol.md section 14). Zero means 10 s;
 	// negative is invalid. Only used with UpgradeSocket.
 	DrainTimeout time.Duration
 

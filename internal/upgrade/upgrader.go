@@ -35,8 +35,8 @@ type Config struct {
 	// process's socket file at a "unix" Address.
 	Network, Address string
 	// DrainTimeout is how long a generation that handed over waits for
-	// its connections to end before it closes the sessions left. It must
-	// be positive.
+	// its connections to end before it closes the sessions left, from the
+	// new process's ready on. It must be positive.
 	DrainTimeout time.Duration
 	// Logger receives the handover's events; nil discards them.
 	Logger *slog.Logger
