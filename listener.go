@@ -87,7 +87,8 @@ type ListenConfig struct {
 
 	// DrainTimeout is how long a listener that handed its socket over
 	// waits for its sessions to acknowledge the hot restart and end before
-	// it closes those left. Zero means 10 s;
+	// it closes those left, counted from the moment the new process took
+	// the socket over (docs/protocol.md section 14). Zero means 10 s;
 	// negative is invalid. Only used with UpgradeSocket.
 	DrainTimeout time.Duration
 
@@ -333,7 +334,7 @@ func (l *Listener) Close() error {
 	l.closeOnce.Do(func() {
 		l.stop()
 		if l.up != nil {
-			l.up.Stop()
+			l.up.Stop() // before ln.Close: it removes the socket files while they are ours (docs/protocol.md section 14)
 		}
 		err = l.ln.Close()
 		l.mu.Lock()
@@ -408,13 +409,22 @@ func (l *Listener) liveSessions() []*session.Session {
 	return sessions
 }
 
-// closeSessions closes every session the listener tracks and returns how
-// many.
+// closeSessions closes every session the listener tracks, all at once,
+// and returns how many once every Close has returned. Each Close may wait
+// up to min(HandshakeTimeout, 1 s) for its client to take the events
+// queued (Session.Close), so one at a time, k clients that stopped
+// reading took k times that.
 func (l *Listener) closeSessions() int {
 	sessions := l.liveSessions()
+	var wg sync.WaitGroup
 	for _, s := range sessions {
-		s.Close()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s.Close()
+		}()
 	}
+	wg.Wait()
 	return len(sessions)
 }
 
@@ -549,7 +559,11 @@ func (l *Listener) serve(conn net.Conn) {
 type handover struct{ l *Listener }
 
 // HandOver stops accepting and sends HotRestart{epoch} on every session,
-// and on every later one (serve).
+// and on every later one (serve). Each session's goes out on a goroutine
+// of its own, which wg counts, and HandOver does not wait for them: a
+// client that stopped reading holds its write for up to WriteTimeout, and
+// must hold neither the other clients' nor the drain (docs/protocol.md
+// section 14).
 func (h handover) HandOver(epoch uint64) <-chan struct{} {
 	l := h.l
 	l.mu.Lock()
@@ -557,18 +571,27 @@ func (h handover) HandOver(epoch uint64) <-chan struct{} {
 	l.mu.Unlock()
 	l.ln.Close() // our descriptor: the socket lives on in the new process
 	<-l.acceptDone
-	for _, s := range l.liveSessions() {
-		s.SendHotRestart(epoch) // an error means it has ended anyway
+	l.mu.Lock()
+	for s := range l.sessions {
+		// s's serve goroutine leaves the set before it leaves wg, so wg
+		// is not zero here: Add cannot race a Wait that returns.
+		l.wg.Add(1)
+		go func() {
+			defer l.wg.Done()
+			s.SendHotRestart(epoch) // an error means it has ended anyway
+		}()
 	}
-	// acceptLoop has returned: wg counts the serve goroutines only, and
-	// no more start. The goroutine ends with the last of them, at the
-	// latest when Close has closed them all.
+	l.mu.Unlock()
+	// acceptLoop has returned: wg counts the serve goroutines and those
+	// above only, and no more start. The goroutine ends with the last of
+	// them, at the latest when Close has closed them all.
 	idle := make(chan struct{})
 	go func() { l.wg.Wait(); close(idle) }()
 	return idle
 }
 
-// Drained closes the sessions left and makes Accept return ErrUpgraded.
+// Drained closes the sessions left, all at once (closeSessions), and
+// makes Accept return ErrUpgraded.
 func (h handover) Drained() int {
 	l := h.l
 	n := l.closeSessions()

@@ -21,7 +21,9 @@
 //   - copy out (spill): move a stalled reader's unread data from shared
 //     memory to the heap (docs/protocol.md section 13).
 //   - draining: a session that got (client) or sent (server) a HotRestart
-//     and ends once its streams are done (docs/protocol.md section 5).
+//     and ends once its streams are done (docs/protocol.md section 5); a
+//     client that acked ends it itself if the server has not within
+//     min(HandshakeTimeout, 5 s).
 //   - unmap: release the shared memory once the session ended and no stream
 //     can read from it.
 //   - pair: a client and a server session of one process find each other
@@ -42,8 +44,9 @@
 //     place while it sleeps (ctlIn, docs/protocol.md section 12.1).
 //   - Timers: the session's timer (tick.go: leaseTick settles the working
 //     flag, handBackTick has the receive loop take the connection back
-//     from a reader that left it), the idle timer (idleExpired) and
-//     deadline timers (they only close channels).
+//     from a reader that left it), the idle timer (idleExpired), a
+//     draining client's ack timer (ackUnanswered) and deadline timers
+//     (they only close channels).
 //
 // Session.Close waits for the receive loop; timers are stopped by the
 // session's end.

@@ -2,6 +2,7 @@ package session
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/shmlink/shmlink/internal/wire"
 )
@@ -14,10 +15,18 @@ import (
 // OpenStream fails with ErrDraining from then on. The server ends the session when the ack arrives (Err is then
 // ErrHotRestarted), which the client reads as the peer's close.
 //
+// A client whose ack the server does not answer by closing the session
+// within ackGrace ends the session itself (ackUnanswered): it has no
+// stream left and takes none, so a server that keeps it open would only
+// make a Dialer pile up such sessions.
+//
 // A HotRestart sent to a server, or an ack sent to a client, is a protocol
 // error that ends the session. An ack the server did not ask for (no
 // HotRestart sent, another epoch) is logged and ignored, like shmipc-go
 // does.
+
+// maxAckGrace bounds ackGrace.
+const maxAckGrace = 5 * time.Second
 
 // hotRestart is a session's hot-restart state, guarded by Session.mu.
 type hotRestart struct {
@@ -25,6 +34,18 @@ type hotRestart struct {
 	acked   bool          // client: the ack is sent (or being sent); server: it arrived
 	epoch   uint64        // the epoch of that HotRestart
 	ch      chan struct{} // closed once started; made by draining
+	// ackTimer, on a client that sent the ack, ends the session if the
+	// server has not closed it within ackGrace; fail stops it.
+	ackTimer *time.Timer
+}
+
+// ackGrace is how long a client that acknowledged a hot restart waits
+// for the server to close the session before it ends the session itself:
+// min(Config.HandshakeTimeout, 5 s), 3 s by default. The Go peer's server
+// closes an acknowledged session within 100 ms, shmlink's at once
+// (docs/protocol.md section 5).
+func (s *Session) ackGrace() time.Duration {
+	return min(s.cfg.HandshakeTimeout, maxAckGrace)
 }
 
 // SendHotRestart tells the client of a server session that a new server
@@ -165,8 +186,30 @@ func (s *Session) maybeAck() {
 	}
 	epoch := s.hr.epoch
 	s.mu.Unlock()
-	if send {
-		s.cfg.Logger.Debug("shmlink: hot restart: acknowledging", "remote", s.conn.RemoteAddr(), "epoch", epoch)
-		s.writeCtl(wire.AppendHotRestart(nil, s.version, wire.TypeHotRestartAck, epoch))
+	if !send {
+		return
 	}
+	s.cfg.Logger.Debug("shmlink: hot restart: acknowledging", "remote", s.conn.RemoteAddr(), "epoch", epoch)
+	if s.writeCtl(wire.AppendHotRestart(nil, s.version, wire.TypeHotRestartAck, epoch)) != nil {
+		return // the session ended
+	}
+	s.mu.Lock()
+	if s.err == nil { // else fail has run, or is about to
+		s.hr.ackTimer = time.AfterFunc(s.ackGrace(), s.ackUnanswered)
+	}
+	s.mu.Unlock()
+}
+
+// ackUnanswered ends a client session whose HotRestartAck the server has
+// not answered by closing the session within ackGrace, with a
+// *SessionError of op "hot restart" that says so. It runs on ackTimer's
+// goroutine.
+func (s *Session) ackUnanswered() {
+	if s.Err() != nil {
+		return
+	}
+	grace := s.ackGrace()
+	s.cfg.Logger.Debug("shmlink: hot restart: the server kept the session after the ack", "remote", s.conn.RemoteAddr(), "after", grace)
+	s.failOp("hot restart", fmt.Errorf("the server did not close the session within %v of its HotRestartAck (min(Config.HandshakeTimeout, %v))", grace, maxAckGrace))
+	s.unmapIfUnused()
 }

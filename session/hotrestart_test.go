@@ -77,7 +77,8 @@ func TestHotRestartDrain(t *testing.T) {
 func TestHotRestartAckBlocksOpen(t *testing.T) {
 	var log syncBuffer
 	scfg := &Config{Logger: slog.New(slog.NewTextHandler(&log, nil))}
-	client, server := pairWith(t, nil, scfg)
+	// The longest grace for the unanswered ack (TestHotRestartAckUnanswered).
+	client, server := pairWith(t, &Config{HandshakeTimeout: time.Minute}, scfg)
 	require.NoError(t, client.handleHotRestart(binary.BigEndian.AppendUint64(nil, 3)))
 	waitDone(t, client.draining(), "draining")
 	c, err := client.OpenStream(context.Background())
@@ -157,4 +158,30 @@ func TestRandomNameEpoch(t *testing.T) {
 	a, b := randomName(42), randomName(42)
 	require.Regexp(t, re, a)
 	require.NotEqual(t, a, b)
+}
+
+// A client whose HotRestartAck the server does not answer by closing the
+// session ends it itself after min(HandshakeTimeout, 5 s), with an error
+// that says why: a Dialer would otherwise keep it (it takes no stream)
+// until the server or IdleTimeout ended it. Here the server never sent
+// HotRestart (the test writes the message), so it ignores the ack.
+func TestHotRestartAckUnanswered(t *testing.T) {
+	const grace = 300 * time.Millisecond
+	client, server := pairWith(t, &Config{HandshakeTimeout: grace}, nil)
+	require.Equal(t, grace, client.ackGrace())
+	start := time.Now()
+	require.NoError(t, server.writeCtl(wire.AppendHotRestart(nil, server.version, wire.TypeHotRestart, 5)))
+	waitDone(t, client.Done(), "the client to end the session")
+	require.GreaterOrEqual(t, time.Since(start), grace, "the server had its chance to close")
+	require.ErrorContains(t, client.Err(), "the server did not close the session within 300ms of its HotRestartAck")
+	var serr *SessionError
+	require.ErrorAs(t, client.Err(), &serr)
+	require.Equal(t, "hot restart", serr.Op)
+	waitDone(t, server.Done(), "the server to see the close")
+	require.ErrorIs(t, server.Err(), ErrPeerClosed)
+	require.EqualValues(t, 1, server.Stats().AcksIgnored)
+
+	// The bound on the grace.
+	c, _ := pairWith(t, &Config{HandshakeTimeout: time.Minute}, nil)
+	require.Equal(t, maxAckGrace, c.ackGrace())
 }

@@ -575,6 +575,9 @@ func (s *Session) fail(err error) {
 		if s.idle.timer != nil {
 			s.idle.timer.Stop()
 		}
+		if s.hr.ackTimer != nil {
+			s.hr.ackTimer.Stop()
+		}
 		// A stream closed here stays routed until the peer's close, which
 		// will not come now; one closed from here on sees s.err (Close).
 		for id, st := range s.tab.routed {

@@ -26,7 +26,7 @@ func Accept(ctx context.Context, ln net.Listener, onRetry func(err error, wait t
 	wait := time.Duration(0)
 	for {
 		conn, err := ln.Accept()
-		if err == nil || !retryable(err) {
+		if err == nil || !Retryable(err) {
 			return conn, err
 		}
 		wait = min(max(2*wait, acceptMinWait), acceptMaxWait)
@@ -43,8 +43,12 @@ func Accept(ctx context.Context, ln net.Listener, onRetry func(err error, wait t
 	}
 }
 
-// retryable reports whether an Accept error is worth a retry (see Accept).
-func retryable(err error) bool {
+// Retryable reports whether an error of a listener's Accept is worth a
+// retry after a wait: the process is out of descriptors or memory for now
+// (EMFILE, ENFILE, ENOBUFS, ENOMEM), or the error concerns one connection
+// only (ECONNABORTED, EPROTO, EINTR). Any other error, EINVAL from a
+// socket that is not listening among them, will come again.
+func Retryable(err error) bool {
 	for _, e := range []syscall.Errno{syscall.EMFILE, syscall.ENFILE, syscall.ENOBUFS, syscall.ENOMEM,
 		syscall.ECONNABORTED, syscall.EPROTO, syscall.EINTR} {
 		if errors.Is(err, e) {

@@ -54,8 +54,10 @@ func SendListeners(c *net.UnixConn, lns ...net.Listener) error {
 // owns the listeners and must Close them; the received descriptors are
 // closed (net.FileListener keeps its own). A message with another number
 // of descriptors, or several control messages, gets ErrBadRights; a
-// descriptor that is not a listening socket gets net.FileListener's
-// error. On any error, everything received is closed.
+// stream socket that is not listening (SO_ACCEPTCONN is 0: a connected
+// one, say) gets ErrNotListening, and a descriptor that is no socket
+// net.FileListener's error, both wrapped with the descriptor's index. On
+// any error, everything received is closed.
 func RecvListeners(c *net.UnixConn, n int) ([]net.Listener, error) {
 	fds, err := shm.RecvFds(c, n)
 	if err != nil {
@@ -65,13 +67,18 @@ func RecvListeners(c *net.UnixConn, n int) ([]net.Listener, error) {
 	for i, fd := range fds {
 		f := os.NewFile(uintptr(fd), fmt.Sprintf("listener %d", i))
 		var ln net.Listener
-		typ, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE)
-		if err == nil && typ == unix.SOCK_DGRAM {
+		var err error
+		switch typ, terr := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_TYPE); {
+		case terr == nil && typ == unix.SOCK_DGRAM:
 			var pc net.PacketConn
 			if pc, err = net.FilePacketConn(f); err == nil {
 				ln = PacketListener{pc}
 			}
-		} else {
+		case terr == nil && !listening(fd):
+			// net.FileListener takes a connected socket too, whose
+			// Accept then fails with EINVAL for ever.
+			err = ErrNotListening
+		default:
 			ln, err = net.FileListener(f)
 		}
 		f.Close()
@@ -87,4 +94,11 @@ func RecvListeners(c *net.UnixConn, n int) ([]net.Listener, error) {
 		lns = append(lns, ln)
 	}
 	return lns, nil
+}
+
+// listening reports whether the socket fd is in the listening state
+// (SO_ACCEPTCONN).
+func listening(fd int) bool {
+	v, err := unix.GetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_ACCEPTCONN)
+	return err == nil && v == 1
 }

@@ -3,6 +3,7 @@
 package sock
 
 import (
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -87,4 +88,46 @@ func openFds(t *testing.T) int {
 	entries, err := os.ReadDir("/proc/self/fd")
 	require.NoError(t, err)
 	return len(entries)
+}
+
+// A connected stream socket sent in place of a listening one is refused
+// (net.FileListener takes it, and its Accept then fails with EINVAL), and
+// every descriptor received is closed.
+func TestRecvListenersNotListening(t *testing.T) {
+	a, b := socketPair(t)
+	conn, _ := socketPair(t) // a connected socket
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	raw, err := conn.SyscallConn()
+	require.NoError(t, err)
+	before := openFds(t)
+	for i, order := range [][]int{{1}, {0, 1}, {1, 0}} {
+		var werr error
+		require.NoError(t, raw.Control(func(fd uintptr) {
+			// fds: [ln, the connected socket], valid inside the
+			// Control callbacks only.
+			rc, err := ln.(*net.TCPListener).SyscallConn()
+			require.NoError(t, err)
+			require.NoError(t, rc.Control(func(lfd uintptr) {
+				fds := []int{int(lfd), int(fd)}
+				var send []int
+				for _, k := range order {
+					send = append(send, fds[k])
+				}
+				_, _, werr = a.WriteMsgUnix([]byte{0}, unix.UnixRights(send...), nil)
+			}))
+		}))
+		require.NoError(t, werr)
+		_, err = RecvListeners(b, len(order))
+		require.ErrorIs(t, err, ErrNotListening, "case %d", i)
+		bad := 0
+		for k, v := range order {
+			if v == 1 {
+				bad = k
+			}
+		}
+		require.ErrorContains(t, err, fmt.Sprintf("descriptor %d received", bad))
+		require.Equal(t, before, openFds(t), "case %d: descriptors received and not closed", i)
+	}
 }

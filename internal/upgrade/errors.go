@@ -9,6 +9,14 @@ var (
 	// The running process is unaffected.
 	ErrInProgress = errors.New("shmlink: upgrade refused: another upgrade is in progress")
 
+	// ErrHandoverFailed is returned (wrapped) by TakeOver when the process
+	// that serves the upgrade socket granted the request but could not
+	// make the sockets it hands over beside the listener (the "quic"
+	// network's forwarding socket: out of descriptors or memory); its log
+	// says why. That process goes on serving, and a later request may
+	// succeed (docs/protocol.md section 14, refuse reason 3).
+	ErrHandoverFailed = errors.New("shmlink: upgrade refused: the running process could not make the sockets to hand over")
+
 	// ErrClosing is returned (wrapped) by TakeOver when the process that
 	// serves the upgrade socket is closing its listener.
 	ErrClosing = errors.New("refused: the running listener is closing")

@@ -15,7 +15,8 @@ import (
 //	+5  op       u8   opRequest, opGrant, opRefuse or opReady
 //	+6  reserved u16  0
 //	+8  arg      u64  request: the new process's pid; grant: its epoch;
-//	                  refuse: refuseBusy or refuseClosing; ready: 0
+//	                  refuse: refuseBusy, refuseClosing or refuseFailed;
+//	                  ready: 0
 const (
 	frameMagic   = 0x534c5550 // "SLUP"
 	frameVersion = 1
@@ -33,7 +34,7 @@ type op uint8
 const (
 	opRequest op = 1 // new -> old: hand the listener over; arg: the new process's pid
 	opGrant   op = 2 // old -> new: granted, the listeners follow; arg: the new epoch
-	opRefuse  op = 3 // old -> new: refused, and closed; arg: refuseBusy or refuseClosing
+	opRefuse  op = 3 // old -> new: refused, and closed; arg: the reason
 	opReady   op = 4 // new -> old: the new process accepts now; arg: 0
 )
 
@@ -57,6 +58,7 @@ func (o op) String() string {
 const (
 	refuseBusy    = 1 // a handover is underway, or the previous generation drains
 	refuseClosing = 2 // the listener is being closed
+	refuseFailed  = 3 // the old process could not make the sockets to send; it serves on
 )
 
 // writeFrame writes one frame of op with arg to c.

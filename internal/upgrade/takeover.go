@@ -24,8 +24,9 @@ import (
 // It returns the listening socket and the Upgrader of the new generation,
 // both owned by the caller. It returns ErrNoOwner (not wrapped) when no
 // process serves the upgrade socket, and otherwise an error wrapping
-// ErrInProgress or ErrClosing when that process refuses, ErrFrame, check's
-// error, or the I/O error; the process then goes on serving as before.
+// ErrInProgress, ErrHandoverFailed or ErrClosing when that process
+// refuses, ErrFrame, check's error, or the I/O error; the process then
+// goes on serving as before.
 func TakeOver(ctx context.Context, cfg Config, check func(ln net.Listener) error) (net.Listener, *Upgrader, error) {
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "unix", cfg.Path)
@@ -98,8 +99,8 @@ func takeOver(ctx context.Context, conn *net.UnixConn, extra int, check func(net
 }
 
 // askGrant sends the request (step 1) and reads the answer (step 2): the
-// epoch granted, or ErrInProgress, ErrClosing or an error wrapping
-// ErrFrame.
+// epoch granted, or ErrInProgress, ErrHandoverFailed, ErrClosing (any
+// other refusal) or an error wrapping ErrFrame.
 func askGrant(conn net.Conn) (epoch uint64, err error) {
 	if err := writeFrame(conn, opRequest, uint64(os.Getpid())); err != nil {
 		return 0, err
@@ -110,6 +111,8 @@ func askGrant(conn net.Conn) (epoch uint64, err error) {
 		return 0, err
 	case o == opRefuse && arg == refuseBusy:
 		return 0, ErrInProgress
+	case o == opRefuse && arg == refuseFailed:
+		return 0, ErrHandoverFailed
 	case o == opRefuse:
 		return 0, ErrClosing
 	case o != opGrant:

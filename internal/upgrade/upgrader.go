@@ -2,6 +2,7 @@ package upgrade
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -34,8 +35,8 @@ type Config struct {
 	// process's socket file at a "unix" Address.
 	Network, Address string
 	// DrainTimeout is how long a generation that handed over waits for
-	// its connections to end before it closes the sessions left. It must
-	// be positive.
+	// its connections to end before it closes the sessions left, from the
+	// new process's ready on. It must be positive.
 	DrainTimeout time.Duration
 	// Logger receives the handover's events; nil discards them.
 	Logger *slog.Logger
@@ -49,8 +50,12 @@ type Config struct {
 // listening socket (the "quic" network: a socket to forward the old
 // generation's packets into, docs/protocol.md section 17). Extras returns
 // them, owned by the ExtraSender, and done, which the Upgrader calls once
-// the handover succeeded (ok) or failed; they follow the upgrade socket
-// in the message, and the new process finds them in Received.
+// the handover succeeded (ok) or failed (a nil done is not called); they
+// follow the upgrade socket in the message, and the new process finds them
+// in Received. When Extras returns an error, the Upgrader refuses the
+// request with reason 3 (the new process's TakeOver returns
+// ErrHandoverFailed), logs the error and serves on (docs/protocol.md
+// section 14).
 type ExtraSender interface {
 	Extras() (lns []net.Listener, done func(ok bool), err error)
 }
@@ -64,13 +69,15 @@ type Listener interface {
 	// the listening socket (the socket lives on in the new process of
 	// epoch) and returns once no new connection can start. It sends
 	// HotRestart{epoch} on every session, and on every session whose
-	// handshake completes later, so that the clients move over. The
-	// channel it returns is closed once the listener serves no
-	// connection any more, neither session nor handshake.
+	// handshake completes later, so that the clients move over; it
+	// returns without waiting for those writes, which a client that does
+	// not read holds up to its write timeout. The drain timeout runs
+	// already. The channel it returns is closed once the listener serves
+	// no connection any more, neither session nor handshake.
 	HandOver(epoch uint64) (idle <-chan struct{})
 	// Drained closes every session left (after the drain timeout), with
-	// its streams, and returns how many; and makes the listener's Accept
-	// fail from now on: it handed over and drained.
+	// its streams, all at once, and returns how many; and makes the
+	// listener's Accept fail from now on: it handed over and drained.
 	Drained() (closed int)
 }
 
@@ -83,12 +90,13 @@ type Upgrader struct {
 	log      *slog.Logger
 	uln      *net.UnixListener // the upgrade socket; owned, and sent to the next generation
 	ln       net.Listener      // the listening socket; owned by the Listener, sent too
-	sockFile string            // ln's socket file, for Close; "" for TCP and abstract sockets
+	sockFile string            // ln's socket file, for Stop and Close; "" for TCP and abstract sockets
 	epoch    uint64            // this generation's
 	received []net.Listener    // the extra sockets TakeOver received; owned by the caller
 	l        Listener          // set by Start
 
 	quit         chan struct{} // closed by Stop
+	stopped      chan struct{} // closed once Stop has dealt with the socket files
 	upgraded     chan struct{} // see Upgraded
 	upgradedOnce sync.Once
 	wg           sync.WaitGroup // serve, handle and watchPrev; Close waits
@@ -101,12 +109,33 @@ type Upgrader struct {
 	// listener (yet): Stop cuts them short. A granted one has its answer
 	// within handoverTimeout, and Close waits for it.
 	asking map[net.Conn]struct{}
+
+	// owned are the socket files that were this generation's when Stop
+	// came while a grant was pending: if the handover then failed, Close
+	// removes those that their paths still name. Set by Stop before it
+	// closes stopped; not guarded by mu.
+	owned []ownedFile
+}
+
+// ownedFile is a socket file of a generation, at path.
+type ownedFile struct {
+	path string
+	ref  fileRef
+}
+
+// socketFiles returns the paths of the socket files of this generation's
+// sockets: the upgrade socket's, and the listening socket's if it has one.
+func (u *Upgrader) socketFiles() []string {
+	if u.sockFile == "" {
+		return []string{u.cfg.Path}
+	}
+	return []string{u.cfg.Path, u.sockFile}
 }
 
 // newUpgrader returns the Upgrader of a generation of epoch, in state st,
 // that listens on ln and serves the upgrade socket uln. Neither socket
-// file is removed when its listener is closed: the last generation's Close
-// removes them.
+// file is removed when its listener is closed: the last generation's Stop
+// removes them, or its Close after a grant pending at Stop failed.
 func newUpgrader(cfg Config, uln *net.UnixListener, ln net.Listener, epoch uint64, st state) *Upgrader {
 	u := &Upgrader{
 		cfg:      cfg,
@@ -115,6 +144,7 @@ func newUpgrader(cfg Config, uln *net.UnixListener, ln net.Listener, epoch uint6
 		ln:       ln,
 		epoch:    epoch,
 		quit:     make(chan struct{}),
+		stopped:  make(chan struct{}),
 		upgraded: make(chan struct{}),
 		state:    st,
 		asking:   make(map[net.Conn]struct{}),
@@ -178,12 +208,21 @@ func (u *Upgrader) Start(l Listener) {
 // listener; it returns at once, and does nothing if called again. The
 // Upgrader calls the Listener no more after Stop, except to finish a
 // drain that the Listener's Close cuts short anyway.
+//
+// Call it before the Listener closes its listening socket: a generation
+// that owns the sockets and has no grant pending removes their files
+// first, before it closes the upgrade socket, while both still listen, so
+// that no other process can have removed them as stale and bound its own
+// at those paths. With a grant pending, the answer decides whose the
+// files are (Close); Stop only takes note of which files are this
+// generation's (docs/protocol.md section 14).
 func (u *Upgrader) Stop() {
 	u.mu.Lock()
 	if !u.stepLocked(evClose) {
 		u.mu.Unlock()
 		return
 	}
+	st := u.state
 	conns := []net.Conn{u.prev, u.next}
 	u.prev, u.next = nil, nil
 	for c := range u.asking {
@@ -191,6 +230,22 @@ func (u *Upgrader) Stop() {
 	}
 	u.mu.Unlock()
 	close(u.quit)
+	switch st {
+	case stateClosed:
+		for _, path := range u.socketFiles() {
+			os.Remove(path)
+		}
+	case stateClosingGranting:
+		for _, path := range u.socketFiles() {
+			// A file without a ref (none there, or no descriptor left)
+			// is never removed: a stale file is the lesser harm, and the
+			// next generation to listen afresh removes it.
+			if ref, ok := refFile(path); ok {
+				u.owned = append(u.owned, ownedFile{path, ref})
+			}
+		}
+	}
+	close(u.stopped)
 	u.uln.Close()
 	for _, c := range conns {
 		if c != nil {
@@ -200,34 +255,46 @@ func (u *Upgrader) Stop() {
 }
 
 // Close stops the Upgrader (Stop) and waits for its goroutines, for a
-// granted handover's answer too (at most 10 s). Then a generation that
-// still owns the sockets removes their files, and one that handed over
-// fires Upgraded. Call it once the Listener has closed its socket.
+// granted handover's answer too (at most 10 s). If that handover failed,
+// it removes the socket files that were this generation's when Stop came,
+// each only if its path still names that file: a process that listened
+// afresh meanwhile, once the sockets were closed, keeps its own
+// (docs/protocol.md section 14). A generation that handed over fires
+// Upgraded. Call it once, after the Listener has closed its socket.
 func (u *Upgrader) Close() {
 	u.Stop()
+	<-u.stopped
 	u.wg.Wait()
 	u.mu.Lock()
 	st := u.state
 	u.mu.Unlock()
-	switch st {
-	case stateClosed:
-		os.Remove(u.cfg.Path)
-		if u.sockFile != "" {
-			os.Remove(u.sockFile)
+	for _, f := range u.owned {
+		if st == stateClosed && f.ref.names(f.path) {
+			os.Remove(f.path)
 		}
-	case stateClosedHandedOver:
+		f.ref.release()
+	}
+	u.owned = nil
+	if st == stateClosedHandedOver {
 		u.fireUpgraded()
 	}
 }
 
-// serve accepts on the upgrade socket until it is closed: by a handover,
-// or Stop.
+// serve accepts on the upgrade socket until it is closed (by a handover,
+// or Stop) or fails for good. An error that passes (sock.Retryable: out of
+// descriptors, say) is logged and retried after acceptBackoff; any other
+// (EINVAL: the socket is not listening) is logged once as an error, and
+// serve stops: the listener serves on, but cannot be upgraded any more.
 func (u *Upgrader) serve() {
 	defer u.wg.Done()
 	for {
 		conn, err := u.uln.AcceptUnix()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			if !sock.Retryable(err) {
+				u.log.Error("shmlink: upgrade socket failed; no upgrade is possible from now on", "path", u.cfg.Path, "err", err)
 				return
 			}
 			u.log.Warn("shmlink: upgrade socket accept failed", "path", u.cfg.Path, "err", err)
@@ -328,16 +395,23 @@ func (u *Upgrader) grant(conn *net.UnixConn, pid int) (kept bool) {
 	epoch := u.epoch + 1
 	lns := []net.Listener{u.ln, u.uln}
 	extrasDone := func(bool) {}
-	var err error
 	if es, ok := u.l.(ExtraSender); ok {
-		var extras []net.Listener
-		if extras, extrasDone, err = es.Extras(); err == nil {
-			lns = append(lns, extras...)
+		extras, done, err := es.Extras()
+		if err != nil {
+			// Nothing was sent: refuse (docs/protocol.md section 14,
+			// reason 3), and serve on. The state goes back first, so
+			// that the new process may ask again as soon as it reads
+			// the refusal.
+			u.failed(pid, fmt.Errorf("the sockets to hand over beside the listener: %w", err))
+			writeFrame(conn, opRefuse, refuseFailed)
+			return false
+		}
+		lns = append(lns, extras...)
+		if done != nil {
+			extrasDone = done
 		}
 	}
-	if err == nil {
-		err = writeFrame(conn, opGrant, epoch)
-	}
+	err := writeFrame(conn, opGrant, epoch)
 	if err == nil {
 		err = sock.SendListeners(conn, lns...)
 	}
@@ -345,13 +419,11 @@ func (u *Upgrader) grant(conn *net.UnixConn, pid int) (kept bool) {
 		_, err = readOp(conn, opReady)
 	}
 	extrasDone(err == nil)
-	u.mu.Lock()
 	if err != nil {
-		u.stepLocked(evFail)
-		u.mu.Unlock()
-		u.log.Warn("shmlink: upgrade failed; still serving", "pid", pid, "err", err)
+		u.failed(pid, err)
 		return false
 	}
+	u.mu.Lock()
 	u.stepLocked(evReady)
 	closing := u.state.closing()
 	if !closing {
@@ -364,22 +436,33 @@ func (u *Upgrader) grant(conn *net.UnixConn, pid int) (kept bool) {
 	if closing {
 		return false // the listener's Close ends the sessions
 	}
-	u.drain(u.l.HandOver(epoch))
+	// The drain timeout runs from ready, however long HandOver takes
+	// (docs/protocol.md section 14).
+	timer := time.NewTimer(u.cfg.DrainTimeout)
+	defer timer.Stop()
+	u.drain(u.l.HandOver(epoch), timer.C)
 	return true
 }
 
+// failed ends a granted handover with the new process of pid that failed
+// before ready, for err: this generation serves on as before.
+func (u *Upgrader) failed(pid int, err error) {
+	u.mu.Lock()
+	u.stepLocked(evFail)
+	u.mu.Unlock()
+	u.log.Warn("shmlink: upgrade failed; still serving", "pid", pid, "err", err)
+}
+
 // drain waits until idle is closed (the Listener serves no connection),
-// or the drain timeout, then has the Listener close the sessions left and
-// fail Accept, tells the next generation (closes its connection) and fires
-// Upgraded. If the Upgrader is stopped meanwhile, the Listener's Close does
-// the rest.
-func (u *Upgrader) drain(idle <-chan struct{}) {
-	timer := time.NewTimer(u.cfg.DrainTimeout)
-	defer timer.Stop()
+// or timeout fires (the drain timeout), then has the Listener close the
+// sessions left and fail Accept, tells the next generation (closes its
+// connection) and fires Upgraded. If the Upgrader is stopped meanwhile,
+// the Listener's Close does the rest.
+func (u *Upgrader) drain(idle <-chan struct{}, timeout <-chan time.Time) {
 	timedOut := false
 	select {
 	case <-idle:
-	case <-timer.C:
+	case <-timeout:
 		timedOut = true
 	case <-u.quit:
 		return
