@@ -376,8 +376,9 @@ var errReadClosed = fmt.Errorf("shmlink: stream closed for reading: %w", net.Err
 // ErrSessionClosed when this side closed the connection; and otherwise a
 // *SessionError when the connection ended, or a *quicError for a stream
 // the peer reset, unwrapping to ErrPeerClosed (syscall.ECONNRESET), to
-// ErrStreamRefused for a connection that a closed listener refused, or to
-// ErrHandshake for a failed TLS handshake.
+// ErrStreamRefused for a connection that a closed listener refused (with
+// quicCodeRefused, or quic-go's CONNECTION_REFUSED), or to ErrHandshake
+// for a failed TLS handshake.
 func quicErr(op string, err error) error {
 	var (
 		se *quic.StreamError
@@ -406,7 +407,11 @@ func quicErr(op string, err error) error {
 	switch {
 	case ae != nil && ae.ErrorCode == quicCodeRefused:
 		sentinel = ErrStreamRefused // a connection that a closed listener refused
-	case errors.As(err, &te) && te.ErrorCode.IsCryptoError():
+	case errors.As(err, &te) && te.Remote && te.ErrorCode == quic.ConnectionRefused:
+		// quic-go's listener, closing, refused a connection whose
+		// handshake it had not completed, which the client had.
+		sentinel = ErrStreamRefused
+	case te != nil && te.ErrorCode.IsCryptoError():
 		sentinel = ErrHandshake
 	}
 	return &SessionError{Op: op, Err: &quicError{sentinel: sentinel, cause: err}}

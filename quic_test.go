@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/quic-go/quic-go"
+	"github.com/quic-go/quic-go/qlog"
+	"github.com/quic-go/quic-go/qlogwriter"
 	"github.com/shmlink/shmlink"
 	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/stretchr/testify/assert"
@@ -421,6 +423,104 @@ func TestQUICRefusedAfterListenerClose(t *testing.T) {
 		require.ErrorIs(t, err, syscall.ECONNREFUSED)
 	}
 	require.EqualValues(t, 2, ln.Stats().StreamsRefused)
+}
+
+// A connection whose handshake completes while Listener.Close runs, and
+// that therefore waits in quic-go's accept queue, is refused: its client
+// reads ErrStreamRefused, as Close promises for the streams Accept never
+// returned, instead of waiting for ever on a connection that no one
+// serves and that keepalives keep alive (docs/protocol.md section 17).
+// The hook holds Close where it has stopped accepting streams and not yet
+// closed quic-go's listener; a live stream keeps the listener's socket
+// open meanwhile.
+func TestQUICCloseRefusesQueuedConnection(t *testing.T) {
+	_, stls, ctls := quicTLS(t, false)
+	ln, err := (&shmlink.ListenConfig{TLSConfig: stls}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer d.Close()
+	dialAccepted(t, d, ln, "quic") // held: the socket stays open after Close
+
+	held, release := make(chan struct{}), make(chan struct{})
+	shmlink.SetQUICCloseHook(ln, func() {
+		close(held)
+		<-release
+	})
+	closed := make(chan error, 1)
+	go func() { closed <- ln.Close() }()
+	waitChan(t, held, "Close to stop accepting")
+
+	// A connection of its own, whose dial returns once the client's side
+	// of the handshake completed: the server's completes when the client's
+	// last handshake message arrives, and puts the connection in the accept
+	// queue; it then confirms the handshake to the client, or closes the
+	// connection, which the tracer reports. Until then, the close of
+	// quic-go's listener would refuse the handshake instead (quic-go's
+	// CONNECTION_REFUSED, TestQUICConnectionRefusedIsStreamRefused).
+	trace := &handshakeTrace{settled: make(chan struct{})}
+	late := &shmlink.Dialer{TLSConfig: ctls, QUICConfig: &quic.Config{
+		Tracer: func(context.Context, bool, quic.ConnectionID) qlogwriter.Trace { return trace },
+	}}
+	defer late.Close()
+	c, err := late.Dial("quic", ln.Addr().String())
+	require.NoError(t, err, "the handshake completes: the listener is still open")
+	defer c.Close()
+	waitChan(t, trace.settled, "the server to complete the handshake")
+	close(release)
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return")
+	}
+
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_, err = c.Read(make([]byte, 1))
+	require.ErrorIs(t, err, shmlink.ErrStreamRefused, "the queued connection is refused, not left waiting")
+	require.ErrorIs(t, err, syscall.ECONNREFUSED)
+}
+
+// A connection that quic-go's closing listener refused in its handshake
+// (CONNECTION_REFUSED), after the client's side of the handshake had
+// completed, reads ErrStreamRefused, as one that shmlink's closed
+// listener refused with code 1 (docs/protocol.md section 17, Errors):
+// which of the two a connection gets depends on when its handshake
+// completes on the server.
+func TestQUICConnectionRefusedIsStreamRefused(t *testing.T) {
+	err := shmlink.QUICErr("read", &quic.TransportError{Remote: true, ErrorCode: quic.ConnectionRefused})
+	require.ErrorIs(t, err, shmlink.ErrStreamRefused)
+	require.ErrorIs(t, err, syscall.ECONNREFUSED)
+	require.NotErrorIs(t, err, net.ErrClosed, "the peer's refusal reads as a local close")
+	var se *shmlink.SessionError
+	require.ErrorAs(t, err, &se, "the connection's end, as a refused connection's")
+	require.Contains(t, err.Error(), "CONNECTION_REFUSED")
+}
+
+// handshakeTrace is a client connection's qlog trace that closes settled
+// once the server's side of the handshake is known to have ended: the
+// handshake is confirmed (the server completed it), or the connection
+// closed (the server refused it, before or after completing it). It
+// records nothing else.
+type handshakeTrace struct {
+	settled chan struct{}
+	once    sync.Once
+}
+
+func (h *handshakeTrace) AddProducer() qlogwriter.Recorder { return h }
+func (h *handshakeTrace) Close() error                     { return nil }
+
+func (h *handshakeTrace) RecordEvent(ev qlogwriter.Event) {
+	switch e := ev.(type) {
+	case qlog.ConnectionStateUpdated:
+		if e.State != qlog.ConnectionStateHandshakeConfirmed {
+			return
+		}
+	case qlog.ConnectionClosed:
+	default:
+		return
+	}
+	h.once.Do(func() { close(h.settled) })
 }
 
 // A QUIC dial whose TLS handshake fails (here: the server's certificate
