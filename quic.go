@@ -53,6 +53,11 @@ const (
 	// defaultQUICPreambleTimeout bounds the wait for a new stream's
 	// preamble when Config.HandshakeTimeout is zero.
 	defaultQUICPreambleTimeout = 3 * time.Second
+	// defaultQUICStreamWait bounds a dial's wait for the server's stream
+	// limit when Config.QueueFullTimeout is zero: that field's default
+	// (package session), which bounds a dial's wait for room over shared
+	// memory too.
+	defaultQUICStreamWait = 5 * time.Second
 )
 
 // ErrNoSharedMemory is returned (wrapped) by Listener.AcceptStream and
@@ -468,12 +473,19 @@ func acceptQUICStream(s *quic.Stream, qc *quicConn, timeout time.Duration) (*qui
 // new stream: it ends with its last stream (quicDraining).
 var errQUICDraining = errors.New("shmlink: QUIC connection takes no new stream")
 
-// openQUICStream opens a stream on qc and writes its preamble.
-func openQUICStream(ctx context.Context, qc *quicConn) (*quicStream, error) {
+// openQUICStream opens a stream on qc and writes its preamble. When the
+// connection has as many streams open as the server allows (its
+// MaxIncomingStreams), it waits for one of them to end, for wait at most
+// (docs/protocol.md section 17, Streams): then it returns an error
+// wrapping ErrQueueFull, and ctx's error if ctx ends first.
+func openQUICStream(ctx context.Context, qc *quicConn, wait time.Duration) (*quicStream, error) {
 	if !qc.tryOpen() {
 		return nil, errQUICDraining
 	}
-	s, err := qc.conn.OpenStreamSync(ctx)
+	s, err := qc.conn.OpenStream()
+	if isStreamLimit(err) {
+		s, err = openQUICStreamWait(ctx, qc, wait)
+	}
 	if err == nil {
 		qc.step(quicStreamOpened, 0) // its id is taken: it reaches the peer, if only reset
 		if _, err = s.Write([]byte{quicPreamble}); err != nil {
@@ -483,9 +495,37 @@ func openQUICStream(ctx context.Context, qc *quicConn) (*quicStream, error) {
 	}
 	if err != nil {
 		qc.closed()
+		if errors.Is(err, ErrQueueFull) {
+			return nil, err
+		}
 		return nil, quicErr("open", err)
 	}
 	return &quicStream{s: s, qc: qc}, nil
+}
+
+// errQUICStreamLimit ends openQUICStreamWait's wait.
+var errQUICStreamLimit = errors.New("shmlink: the QUIC stream limit stayed reached")
+
+// openQUICStreamWait opens a stream on qc once the server allows one more,
+// waiting for wait at most: then it returns an error wrapping
+// ErrQueueFull. It returns ctx's error if ctx ends first, and quic-go's
+// if the connection ends.
+func openQUICStreamWait(ctx context.Context, qc *quicConn, wait time.Duration) (*quic.Stream, error) {
+	wctx, cancel := context.WithTimeoutCause(ctx, wait, errQUICStreamLimit)
+	defer cancel()
+	s, err := qc.conn.OpenStreamSync(wctx)
+	if err != nil && ctx.Err() == nil && context.Cause(wctx) == errQUICStreamLimit {
+		return nil, fmt.Errorf("%w: the server's limit of streams on the QUIC connection (its QUICConfig.MaxIncomingStreams) stayed reached for %v (Config.QueueFullTimeout)", ErrQueueFull, wait)
+	}
+	return s, err
+}
+
+// isStreamLimit reports whether err is quic-go's StreamLimitReachedError:
+// the peer allows no more streams for now.
+func isStreamLimit(err error) bool {
+	var p *quic.StreamLimitReachedError
+	var v quic.StreamLimitReachedError
+	return err != nil && (errors.As(err, &p) || errors.As(err, &v))
 }
 
 // Compile-time checks of the interfaces a quicStream provides.

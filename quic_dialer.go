@@ -30,6 +30,10 @@ func (d *Dialer) dialQUIC(ctx context.Context, address string) (net.Conn, error)
 	if err := d.validate(); err != nil {
 		return nil, err
 	}
+	wait := defaultQUICStreamWait
+	if d.Config != nil && d.Config.QueueFullTimeout > 0 {
+		wait = d.Config.QueueFullTimeout
+	}
 	var err error
 	for ended, draining := 0, 0; ended < 3 && draining < maxDrainingPicks; {
 		var qc *quicConn
@@ -37,7 +41,7 @@ func (d *Dialer) dialQUIC(ctx context.Context, address string) (net.Conn, error)
 			return nil, err
 		}
 		var st *quicStream
-		if st, err = openQUICStream(ctx, qc); err == nil {
+		if st, err = openQUICStream(ctx, qc, wait); err == nil {
 			return st, nil
 		}
 		switch {

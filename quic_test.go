@@ -523,6 +523,83 @@ func (h *handshakeTrace) RecordEvent(ev qlogwriter.Event) {
 	h.once.Do(func() { close(h.settled) })
 }
 
+// A dial that finds the server's stream limit reached on its connection
+// (here MaxIncomingStreams 1, and a stream the application has not
+// accepted) waits for Config.QueueFullTimeout, not for ever, and fails
+// with ErrQueueFull, as a dial that finds the IO queue full over shared
+// memory; a context that ends first ends it with its error. Once a stream
+// ends, the connection takes the next one (docs/protocol.md section 17,
+// Streams).
+func TestQUICDialAtStreamLimit(t *testing.T) {
+	_, stls, ctls := quicTLS(t, false)
+	lc := shmlink.ListenConfig{TLSConfig: stls, QUICConfig: &quic.Config{MaxIncomingStreams: 1}}
+	ln, err := lc.Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	const wait = 300 * time.Millisecond
+	d := &shmlink.Dialer{TLSConfig: ctls, Config: &shmlink.Config{QueueFullTimeout: wait}}
+	defer d.Close()
+	addr := ln.Addr().String()
+	parked, err := d.Dial("quic", addr) // the server holds it for Accept
+	require.NoError(t, err)
+
+	type result struct {
+		c   net.Conn
+		err error
+		in  time.Duration
+	}
+	dial := func(ctx context.Context) result {
+		t.Helper()
+		done := make(chan result, 1)
+		go func() {
+			start := time.Now()
+			c, err := d.DialContext(ctx, "quic", addr)
+			done <- result{c, err, time.Since(start)}
+		}()
+		select {
+		case r := <-done:
+			return r
+		case <-time.After(10 * time.Second):
+			t.Fatal("a dial at the server's stream limit did not return")
+			return result{}
+		}
+	}
+	r := dial(context.Background())
+	require.ErrorIs(t, r.err, shmlink.ErrQueueFull)
+	require.ErrorContains(t, r.err, "MaxIncomingStreams")
+	require.GreaterOrEqual(t, r.in, wait, "it waited for Config.QueueFullTimeout")
+
+	ctx, cancel := context.WithTimeout(t.Context(), wait/10)
+	defer cancel()
+	r = dial(ctx)
+	require.ErrorIs(t, r.err, context.DeadlineExceeded, "the context ends the wait first")
+	require.NotErrorIs(t, r.err, shmlink.ErrQueueFull)
+
+	// The parked stream ends: the connection takes a new one once the
+	// server has seen both sides closed and raised its limit.
+	s, err := ln.Accept()
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+	require.NoError(t, parked.Close())
+	for start := time.Now(); ; {
+		if r = dial(context.Background()); !errors.Is(r.err, shmlink.ErrQueueFull) || time.Since(start) > 10*time.Second {
+			break
+		}
+	}
+	require.NoError(t, r.err)
+	defer r.c.Close()
+	s, err = ln.Accept()
+	require.NoError(t, err)
+	defer s.Close()
+	_, err = r.c.Write([]byte("x"))
+	require.NoError(t, err)
+	buf := make([]byte, 1)
+	_, err = io.ReadFull(s, buf)
+	require.NoError(t, err)
+	require.Equal(t, "x", string(buf))
+	require.Equal(t, 1, ln.NumSessions(), "one connection: the dials did not open more")
+}
+
 // A QUIC dial whose TLS handshake fails (here: the server's certificate
 // is signed by an unknown authority) wraps ErrHandshake, as every
 // handshake failure does, and keeps the TLS error, but is not a local
