@@ -160,7 +160,10 @@ type Dialer struct {
 
 	// QUICConfig tunes the "quic" network's connections; nil, or a field
 	// left zero, means shmlink's defaults (see ListenConfig.QUICConfig).
-	// Other networks ignore it.
+	// RequireStreamCreditRelease and a negative MaxIncomingUniStreams make
+	// every dial fail with a *ConfigError naming the field (shmlink could
+	// not take the server's messages); a negative MaxIncomingStreams is
+	// fine, since servers open no stream. Other networks ignore it.
 	QUICConfig *quic.Config
 
 	mu     sync.Mutex

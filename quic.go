@@ -124,6 +124,58 @@ func quicConfig(c *quic.Config, handshake time.Duration) *quic.Config {
 	return out
 }
 
+// checkQUICConfig returns a *ConfigError, its Field under field
+// ("ListenConfig.QUICConfig", "Dialer.QUICConfig"), when c (nil: the
+// defaults) sets a field with which shmlink's streams or messages cannot
+// work (docs/protocol.md section 17, Defaults); server tells which side
+// c is for.
+func checkQUICConfig(c *quic.Config, field string, server bool) error {
+	if c == nil {
+		return nil
+	}
+	switch {
+	case c.RequireStreamCreditRelease:
+		// Each side would stop taking the peer's streams, or messages,
+		// after the first MaxIncomingStreams (MaxIncomingUniStreams) of
+		// them in all.
+		return &ConfigError{Field: field + ".RequireStreamCreditRelease", Reason: "shmlink never calls ReleaseStreamCredit: the peer could open no more than MaxIncomingStreams streams in all"}
+	case server && c.MaxIncomingStreams < 0:
+		// A client takes no stream of the server's, which opens none.
+		return &ConfigError{Field: field + ".MaxIncomingStreams", Reason: "negative: clients could open no stream"}
+	case c.MaxIncomingUniStreams < 0:
+		return &ConfigError{Field: field + ".MaxIncomingUniStreams", Reason: "negative: the peer could send none of shmlink's messages (done, hot restart)"}
+	}
+	return nil
+}
+
+// quicClientConfigs wraps the GetConfigForClient of the listener's QUIC
+// config qcfg, if set, so that the config it returns for a connection
+// gets shmlink's defaults and checks too, as the listener's did: one that
+// fails checkQUICConfig refuses the connection (quic-go's
+// CONNECTION_REFUSED), and the first such is logged to logger.
+func quicClientConfigs(qcfg *quic.Config, handshake time.Duration, logger *slog.Logger) {
+	get := qcfg.GetConfigForClient
+	if get == nil {
+		return
+	}
+	var logged sync.Once
+	qcfg.GetConfigForClient = func(info *quic.ClientInfo) (*quic.Config, error) {
+		c, err := get(info)
+		if err != nil {
+			return nil, err
+		}
+		c = quicConfig(c, handshake)
+		if err := checkQUICConfig(c, "ListenConfig.QUICConfig.GetConfigForClient", true); err != nil {
+			logged.Do(func() {
+				logger.Warn("shmlink: QUIC connections refused: GetConfigForClient returned a config shmlink cannot work with (logged once)",
+					"remote", info.RemoteAddr, "err", err)
+			})
+			return nil, err
+		}
+		return c, nil
+	}
+}
+
 // quicUDP listens on a UDP socket at address (":0" for a client) and sizes
 // its buffers as quic-go advises. When the kernel caps them (net.core.
 // rmem_max, wmem_max), it says so once through logger instead of quic-go's

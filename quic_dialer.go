@@ -30,6 +30,9 @@ func (d *Dialer) dialQUIC(ctx context.Context, address string) (net.Conn, error)
 	if err := d.validate(); err != nil {
 		return nil, err
 	}
+	if err := checkQUICConfig(d.QUICConfig, "Dialer.QUICConfig", false); err != nil {
+		return nil, err
+	}
 	wait := defaultQUICStreamWait
 	if d.Config != nil && d.Config.QueueFullTimeout > 0 {
 		wait = d.Config.QueueFullTimeout

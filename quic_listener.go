@@ -62,6 +62,10 @@ func (lc *ListenConfig) listenQUIC(ctx context.Context, address string, cfg Conf
 	}
 	cfg = withLogger(cfg)
 	qcfg := quicConfig(lc.QUICConfig, cfg.HandshakeTimeout)
+	if err := checkQUICConfig(qcfg, "ListenConfig.QUICConfig", true); err != nil {
+		return nil, err
+	}
+	quicClientConfigs(qcfg, cfg.HandshakeTimeout, cfg.Logger)
 	if lc.UpgradeSocket == "" {
 		udp, err := quicUDP(address, cfg.Logger)
 		if err != nil {

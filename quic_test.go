@@ -100,6 +100,62 @@ func TestQUICConfigErrors(t *testing.T) {
 	require.ErrorIs(t, err, shmlink.ErrNoSharedMemory)
 }
 
+// QUIC config fields with which shmlink cannot work are a *ConfigError at
+// Listen and at the dial, naming the field, rather than dials that hang
+// later (docs/protocol.md section 17, Defaults): RequireStreamCreditRelease
+// (shmlink releases no credit, so a connection would take MaxIncomingStreams
+// streams in all), a negative MaxIncomingStreams on the server (no stream
+// at all) and a negative MaxIncomingUniStreams (none of shmlink's
+// messages). A negative MaxIncomingStreams on a Dialer, to which servers
+// open no stream, works. A config that the listener's GetConfigForClient
+// returns is checked too: the connection is refused.
+func TestQUICConfigRejected(t *testing.T) {
+	_, stls, ctls := quicTLS(t, false)
+	for _, c := range []struct {
+		cfg   *quic.Config
+		field string
+	}{
+		{&quic.Config{RequireStreamCreditRelease: true}, "RequireStreamCreditRelease"},
+		{&quic.Config{MaxIncomingStreams: -1}, "MaxIncomingStreams"},
+		{&quic.Config{MaxIncomingUniStreams: -1}, "MaxIncomingUniStreams"},
+	} {
+		var ce *shmlink.ConfigError
+		_, err := (&shmlink.ListenConfig{TLSConfig: stls, QUICConfig: c.cfg}).Listen(t.Context(), "quic", "127.0.0.1:0")
+		require.ErrorAs(t, err, &ce, c.field)
+		require.Equal(t, "ListenConfig.QUICConfig."+c.field, ce.Field)
+		if c.field == "MaxIncomingStreams" {
+			continue
+		}
+		d := &shmlink.Dialer{TLSConfig: ctls, QUICConfig: c.cfg}
+		_, err = d.Dial("quic", "127.0.0.1:1")
+		require.ErrorAs(t, err, &ce, c.field)
+		require.Equal(t, "Dialer.QUICConfig."+c.field, ce.Field)
+		require.NoError(t, d.Close())
+	}
+
+	get := &quic.Config{GetConfigForClient: func(*quic.ClientInfo) (*quic.Config, error) {
+		return &quic.Config{RequireStreamCreditRelease: true}, nil
+	}}
+	ln, err := (&shmlink.ListenConfig{TLSConfig: stls, QUICConfig: get}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	d := &shmlink.Dialer{TLSConfig: ctls, QUICConfig: &quic.Config{MaxIncomingStreams: -1}}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	_, err = d.DialContext(ctx, "quic", ln.Addr().String())
+	require.ErrorIs(t, err, shmlink.ErrHandshake, "GetConfigForClient's config refuses the connection")
+	require.ErrorContains(t, err, "CONNECTION_REFUSED")
+
+	ln2, d2 := quicPair(t)
+	d2.QUICConfig = &quic.Config{MaxIncomingStreams: -1}
+	c, s := dialAccepted(t, d2, ln2, "quic")
+	_, err = c.Write([]byte("x"))
+	require.NoError(t, err)
+	_, err = io.ReadFull(s, make([]byte, 1))
+	require.NoError(t, err, "a Dialer that takes no stream of the server's works")
+}
+
 // The error vocabulary of a stream over QUIC: io.EOF at the peer's close,
 // net.ErrClosed after our own, os.ErrDeadlineExceeded at a deadline, and
 // ECONNRESET when the peer stopped reading; CloseWrite is a half close.
