@@ -135,7 +135,9 @@ type ListenConfig struct {
 // UpgradeSocket it takes the listener of a running process over
 // (docs/protocol.md section 14), and returns ErrUpgradeInProgress (wrapped)
 // if that process is busy with another upgrade, and the handover's errors
-// (wrapped), in which case the running process goes on serving.
+// (wrapped), in which case the running process goes on serving. A bad
+// Config, TLSConfig, QUICConfig or DrainTimeout is reported before the
+// running process is asked to hand over.
 func (lc *ListenConfig) Listen(ctx context.Context, network, address string) (*Listener, error) {
 	if err := checkNetwork(network); err != nil {
 		return nil, err

@@ -145,6 +145,15 @@ func checkQUICConfig(c *quic.Config, field string, server bool) error {
 	case c.MaxIncomingUniStreams < 0:
 		return &ConfigError{Field: field + ".MaxIncomingUniStreams", Reason: "negative: the peer could send none of shmlink's messages (done, hot restart)"}
 	}
+	// What quic-go's Listen and Dial reject (its validateConfig), checked
+	// here first: a listener taking an upgrade socket over must know that
+	// its config works before it tells the running process to hand over
+	// (docs/protocol.md section 17, Hot upgrade).
+	for _, v := range c.Versions {
+		if v != quic.Version1 && v != quic.Version2 {
+			return &ConfigError{Field: field + ".Versions", Reason: fmt.Sprintf("%v is not a QUIC version that quic-go supports (quic.Version1, quic.Version2)", v)}
+		}
+	}
 	return nil
 }
 

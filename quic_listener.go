@@ -62,6 +62,10 @@ func (lc *ListenConfig) listenQUIC(ctx context.Context, address string, cfg Conf
 	}
 	cfg = withLogger(cfg)
 	qcfg := quicConfig(lc.QUICConfig, cfg.HandshakeTimeout)
+	// Everything that can fail without the socket fails here, before
+	// TakeOver commits the running process to hand over: after that,
+	// startQUICListener must not fail (docs/protocol.md section 17, Hot
+	// upgrade).
 	if err := checkQUICConfig(qcfg, "ListenConfig.QUICConfig", true); err != nil {
 		return nil, err
 	}

@@ -156,6 +156,57 @@ func TestQUICConfigRejected(t *testing.T) {
 	require.NoError(t, err, "a Dialer that takes no stream of the server's works")
 }
 
+// A QUIC config that quic-go would reject (here a QUIC version it does not
+// know) is a *ConfigError before a new listener takes the upgrade socket
+// over, not after the running listener handed its socket over: that one
+// keeps serving, new connections included, and a good upgrade then goes
+// through as the first (docs/protocol.md section 17, Hot upgrade). A
+// Dialer's such config is a *ConfigError too, not a failed handshake.
+func TestQUICUpgradeBadConfigKeepsServing(t *testing.T) {
+	stls, ctls := sharedQUICTLS(t)
+	usock := filepath.Join(t.TempDir(), "upgrade.sock")
+	a, err := (&shmlink.ListenConfig{TLSConfig: stls, UpgradeSocket: usock}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	stopA := serveEcho(a, 4)
+	defer stopA()
+	addr := a.Addr().String()
+
+	bad := &quic.Config{Versions: []quic.Version{0x2a2a2a2a}}
+	var ce *shmlink.ConfigError
+	_, err = (&shmlink.ListenConfig{TLSConfig: stls, UpgradeSocket: usock, QUICConfig: bad}).Listen(t.Context(), "quic", addr)
+	require.ErrorAs(t, err, &ce)
+	require.Equal(t, "ListenConfig.QUICConfig.Versions", ce.Field)
+	select {
+	case <-a.Upgraded():
+		t.Fatal("the running listener handed over to a listener that failed")
+	default:
+	}
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	c, err := d.DialContext(ctx, "quic", addr)
+	require.NoError(t, err, "the running listener takes new connections")
+	require.NoError(t, peertest.Echo(c, 1000, 1))
+	require.NoError(t, c.Close())
+
+	_, err = (&shmlink.Dialer{TLSConfig: ctls, QUICConfig: bad}).DialContext(ctx, "quic", addr)
+	require.ErrorAs(t, err, &ce)
+	require.Equal(t, "Dialer.QUICConfig.Versions", ce.Field)
+	require.NotErrorIs(t, err, shmlink.ErrHandshake)
+
+	b, err := (&shmlink.ListenConfig{TLSConfig: stls, UpgradeSocket: usock}).Listen(t.Context(), "quic", addr)
+	require.NoError(t, err)
+	stopB := serveEcho(b, 4)
+	defer stopB()
+	require.Equal(t, uint64(1), b.Epoch(), "the failed listen did not count")
+	waitChan(t, a.Upgraded(), "the old listener to drain")
+	c, err = d.DialContext(ctx, "quic", addr)
+	require.NoError(t, err)
+	require.NoError(t, peertest.Echo(c, 1000, 2))
+	require.NoError(t, c.Close())
+}
+
 // The error vocabulary of a stream over QUIC: io.EOF at the peer's close,
 // net.ErrClosed after our own, os.ErrDeadlineExceeded at a deadline, and
 // ECONNRESET when the peer stopped reading; CloseWrite is a half close.
