@@ -177,8 +177,11 @@ type Dialer struct {
 	dialSession func(ctx context.Context, cfg *Config, network, address string) (*session.Session, error)
 	growRetry   time.Duration
 	onWait      func()
-	live        map[*session.Session]struct{} // every session until it ends
-	ended       Stats                         // the counters of the sessions that ended
+	// resolver looks "quic" addresses up; nil means net.DefaultResolver.
+	// Tests set it (export_quic_test.go).
+	resolver *net.Resolver
+	live     map[*session.Session]struct{} // every session until it ends
+	ended    Stats                         // the counters of the sessions that ended
 	// opening counts, per session, the dials that picked it and have not
 	// yet opened their stream: they count in its load (leastLoaded), so
 	// that concurrent dials see each other's picks.

@@ -33,3 +33,9 @@ func SetQUICCloseHook(l *Listener, hook func()) {
 // QUICErr is quicErr: quic-go's error of a stream or connection call
 // (op: "read", "write", "open") in shmlink's vocabulary.
 func QUICErr(op string, err error) error { return quicErr(op, err) }
+
+// SetQUICResolver makes d look "quic" addresses up with r. Call it before
+// d's first Dial.
+func SetQUICResolver(d *Dialer, r *net.Resolver) {
+	d.resolver = r
+}

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -185,19 +186,19 @@ func quicClientConfigs(qcfg *quic.Config, handshake time.Duration, logger *slog.
 	}
 }
 
-// quicUDP listens on a UDP socket at address (":0" for a client) and sizes
-// its buffers as quic-go advises. When the kernel caps them (net.core.
-// rmem_max, wmem_max), it says so once through logger instead of quic-go's
-// own print to standard error.
-func quicUDP(address string, logger *slog.Logger) (*net.UDPConn, error) {
-	ua, err := net.ResolveUDPAddr("udp", address)
+// quicUDP listens on a UDP socket at address (":0" for a client), whose
+// host it resolves under ctx, and sizes its buffers as quic-go advises.
+// When the kernel caps them (net.core.rmem_max, wmem_max), it says so once
+// through logger instead of quic-go's own print to standard error. It
+// returns net.ListenConfig.ListenPacket's errors, which wrap ctx's when
+// ctx ended the resolution.
+func quicUDP(ctx context.Context, address string, logger *slog.Logger) (*net.UDPConn, error) {
+	var lc net.ListenConfig
+	pc, err := lc.ListenPacket(ctx, "udp", address)
 	if err != nil {
 		return nil, err
 	}
-	c, err := net.ListenUDP("udp", ua)
-	if err != nil {
-		return nil, err
-	}
+	c := pc.(*net.UDPConn)
 	c.SetReadBuffer(quicUDPBuffer)
 	c.SetWriteBuffer(quicUDPBuffer)
 	rcv, snd := udpBuffers(c)
@@ -214,6 +215,44 @@ func quicUDP(address string, logger *slog.Logger) (*net.UDPConn, error) {
 		})
 	}
 	return c, nil
+}
+
+// resolveUDP resolves address (host:port, the port a number or a service
+// name) to a UDP address with r under ctx: an IP address as it is, and of
+// a host name's addresses the first IPv4 one, else the first, as
+// net.ResolveUDPAddr("udp", address) picks without a context. It returns
+// r's errors, which wrap ctx's when ctx ended the lookup, and a
+// *net.AddrError for a name without addresses.
+func resolveUDP(ctx context.Context, r *net.Resolver, address string) (*net.UDPAddr, error) {
+	host, service, err := net.SplitHostPort(address)
+	if err != nil {
+		return nil, err
+	}
+	port, err := r.LookupPort(ctx, "udp", service)
+	if err != nil {
+		return nil, err
+	}
+	if host == "" {
+		return &net.UDPAddr{Port: port}, nil // this host, as ResolveUDPAddr
+	}
+	if ip, err := netip.ParseAddr(host); err == nil {
+		return net.UDPAddrFromAddrPort(netip.AddrPortFrom(ip, uint16(port))), nil
+	}
+	ips, err := r.LookupNetIP(ctx, "ip", host)
+	if err != nil {
+		return nil, err
+	}
+	if len(ips) == 0 {
+		return nil, &net.AddrError{Err: "no address found", Addr: host}
+	}
+	ip := ips[0]
+	for _, a := range ips {
+		if a.Unmap().Is4() {
+			ip = a
+			break
+		}
+	}
+	return net.UDPAddrFromAddrPort(netip.AddrPortFrom(ip.Unmap(), uint16(port))), nil
 }
 
 // udpBuffers returns the socket buffer sizes of c in bytes, as the kernel

@@ -71,7 +71,7 @@ func (lc *ListenConfig) listenQUIC(ctx context.Context, address string, cfg Conf
 	}
 	quicClientConfigs(qcfg, cfg.HandshakeTimeout, cfg.Logger)
 	if lc.UpgradeSocket == "" {
-		udp, err := quicUDP(address, cfg.Logger)
+		udp, err := quicUDP(ctx, address, cfg.Logger)
 		if err != nil {
 			return nil, err
 		}
@@ -91,7 +91,7 @@ func (lc *ListenConfig) listenQUIC(ctx context.Context, address string, cfg Conf
 	ln, up, err := upgrade.TakeOver(ctx, ucfg, nil)
 	if errors.Is(err, upgrade.ErrNoOwner) {
 		ln, up, err = upgrade.Listen(ucfg, func() (net.Listener, error) {
-			udp, err := quicUDP(address, cfg.Logger)
+			udp, err := quicUDP(ctx, address, cfg.Logger)
 			if err != nil {
 				return nil, err
 			}

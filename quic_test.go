@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -205,6 +206,57 @@ func TestQUICUpgradeBadConfigKeepsServing(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, peertest.Echo(c, 1000, 2))
 	require.NoError(t, c.Close())
+}
+
+// A "quic" dial's name lookup is bounded by the dial's context: with a DNS
+// server that never answers (a resolver whose connections wait for their
+// context), a dial whose context ends returns the context's error then,
+// not the lookup's after its own timeouts (docs/protocol.md section 17,
+// Connection). No packet leaves the host.
+func TestQUICDialLookupHonoursContext(t *testing.T) {
+	_, _, ctls := quicTLS(t, false)
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer d.Close()
+	var asked atomic.Int32
+	shmlink.SetQUICResolver(d, &net.Resolver{
+		PreferGo: true,
+		Dial: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			asked.Add(1)
+			<-ctx.Done() // a DNS server that never answers
+			return nil, ctx.Err()
+		},
+	})
+	const name = "shmlink-test.invalid:4433" // not in /etc/hosts: asks DNS
+	for _, c := range []struct {
+		why  string
+		ctx  func() (context.Context, context.CancelFunc)
+		want error
+	}{
+		{"deadline", func() (context.Context, context.CancelFunc) {
+			return context.WithTimeout(t.Context(), 100*time.Millisecond)
+		}, context.DeadlineExceeded},
+		{"cancelled", func() (context.Context, context.CancelFunc) {
+			ctx, cancel := context.WithCancel(t.Context())
+			cancel()
+			return ctx, cancel
+		}, context.Canceled},
+	} {
+		ctx, cancel := c.ctx()
+		done := make(chan error, 1)
+		go func() {
+			_, err := d.DialContext(ctx, "quic", name)
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			require.ErrorIs(t, err, c.want, c.why)
+			require.NotErrorIs(t, err, shmlink.ErrHandshake, c.why)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s: the dial's lookup outlived its context", c.why)
+		}
+		cancel()
+	}
+	require.NotZero(t, asked.Load(), "the lookup asked the DNS server")
 }
 
 // The error vocabulary of a stream over QUIC: io.EOF at the peer's close,
