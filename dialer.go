@@ -120,8 +120,9 @@ const (
 //
 // On "quic" the Dialer keeps one QUIC connection per address, not a pool:
 // MaxSessions and StreamsPerSession do not apply; IdleTimeout, TLSConfig,
-// QUICConfig and the Config's HandshakeTimeout and Logger do, the rest of
-// Config (shared memory) does not.
+// QUICConfig and the Config's HandshakeTimeout, QueueFullTimeout (the
+// longest a dial waits for the server's stream limit) and Logger do, the
+// rest of Config (shared memory) does not.
 //
 // The zero value is ready to use. A Dialer is safe for concurrent use; its
 // fields must not change after the first Dial. Close it to end its
@@ -159,7 +160,10 @@ type Dialer struct {
 
 	// QUICConfig tunes the "quic" network's connections; nil, or a field
 	// left zero, means shmlink's defaults (see ListenConfig.QUICConfig).
-	// Other networks ignore it.
+	// RequireStreamCreditRelease and a negative MaxIncomingUniStreams make
+	// every dial fail with a *ConfigError naming the field (shmlink could
+	// not take the server's messages); a negative MaxIncomingStreams is
+	// fine, since servers open no stream. Other networks ignore it.
 	QUICConfig *quic.Config
 
 	mu     sync.Mutex
@@ -173,8 +177,11 @@ type Dialer struct {
 	dialSession func(ctx context.Context, cfg *Config, network, address string) (*session.Session, error)
 	growRetry   time.Duration
 	onWait      func()
-	live        map[*session.Session]struct{} // every session until it ends
-	ended       Stats                         // the counters of the sessions that ended
+	// resolver looks "quic" addresses up; nil means net.DefaultResolver.
+	// Tests set it (export_quic_test.go).
+	resolver *net.Resolver
+	live     map[*session.Session]struct{} // every session until it ends
+	ended    Stats                         // the counters of the sessions that ended
 	// opening counts, per session, the dials that picked it and have not
 	// yet opened their stream: they count in its load (leastLoaded), so
 	// that concurrent dials see each other's picks.
@@ -287,8 +294,12 @@ func (d *Dialer) Dial(network, address string) (net.Conn, error) {
 // after its last stream): the 8th draining session, or the 3rd of the
 // others, ends the dial with its session.ErrDraining or error. On
 // "quic", when every connection dialed was draining, it returns
-// ErrStreamRefused. A dial that waits for another's handshake
-// dials again if that one ended for its own context.
+// ErrStreamRefused, and a dial that finds the server's limit of streams
+// on the connection reached (its QUICConfig.MaxIncomingStreams: streams
+// its application has not accepted or closed) waits for one of them to
+// end, for Config.QueueFullTimeout at most (5 s when zero), and then
+// returns an error wrapping ErrQueueFull. A dial that waits for another's
+// handshake dials again if that one ended for its own context.
 func (d *Dialer) DialContext(ctx context.Context, network, address string) (net.Conn, error) {
 	if network == "quic" {
 		return d.dialQUIC(ctx, address)

@@ -47,7 +47,7 @@ var (
 	ErrWriteClosed   = session.ErrWriteClosed   // errors.Is(err, net.ErrClosed)
 	ErrStreamRefused = session.ErrStreamRefused // errors.Is(err, syscall.ECONNREFUSED)
 	ErrPeerClosed    = session.ErrPeerClosed    // errors.Is(err, syscall.ECONNRESET)
-	ErrQueueFull     = session.ErrQueueFull     // a write or a dial found the IO queue full for Config.QueueFullTimeout
+	ErrQueueFull     = session.ErrQueueFull     // a write or a dial found the IO queue full for Config.QueueFullTimeout; on "quic", a dial found the server's stream limit reached that long
 	ErrHandshake     = session.ErrHandshake     // wrapped by a failed handshake's *SessionError
 	ErrProtocol      = session.ErrProtocol      // wrapped by the *SessionError of a peer that broke the protocol
 	ErrPeerRefused   = session.ErrPeerRefused   // wrapped by a handshake refused for the peer's uid (*PeerError)

@@ -21,3 +21,21 @@ func QUICIdleExpiring(d *Dialer, address string) {
 	qc.state = quicDraining
 	qc.mu.Unlock()
 }
+
+// SetQUICCloseHook makes the QUIC listener l call hook in Close after it
+// stopped accepting streams and before it closes quic-go's listener: a
+// connection whose handshake completes meanwhile reaches quic-go's accept
+// queue. Call it before Close.
+func SetQUICCloseHook(l *Listener, hook func()) {
+	l.q.closeHook = hook
+}
+
+// QUICErr is quicErr: quic-go's error of a stream or connection call
+// (op: "read", "write", "open") in shmlink's vocabulary.
+func QUICErr(op string, err error) error { return quicErr(op, err) }
+
+// SetQUICResolver makes d look "quic" addresses up with r. Call it before
+// d's first Dial.
+func SetQUICResolver(d *Dialer, r *net.Resolver) {
+	d.resolver = r
+}

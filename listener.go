@@ -104,8 +104,14 @@ type ListenConfig struct {
 	// left zero, means shmlink's defaults for a LAN: keepalive every 15 s,
 	// idle timeout 1 min, 4096 concurrent streams per connection, receive
 	// windows growing up to 16 MiB per stream and 64 MiB per connection
-	// (docs/protocol.md section 17). Listen copies it. Other networks
-	// ignore it.
+	// (docs/protocol.md section 17). Listen copies it. Fields with which
+	// shmlink cannot work make Listen return a *ConfigError naming the
+	// field: RequireStreamCreditRelease (shmlink never releases stream
+	// credit) and a negative MaxIncomingStreams or MaxIncomingUniStreams.
+	// The config that GetConfigForClient returns for a connection gets the
+	// same defaults and checks; one that fails them refuses the connection
+	// (the first is logged to the Config's Logger). Other networks ignore
+	// it.
 	QUICConfig *quic.Config
 }
 
@@ -123,14 +129,16 @@ type ListenConfig struct {
 // Config.HandshakeTimeout bounds it as quic-go's handshake idle timeout
 // (5 s when both are zero). A "unix" socket file gets SocketMode; a "tcp" address must
 // be loopback unless AllowNonLoopback. It returns an error wrapping
-// ErrNetwork for other networks, a *ConfigError for a bad Config or
-// SocketMode, a negative DrainTimeout or an UpgradeSocket that is the
-// listening address itself, ErrNotLoopback
+// ErrNetwork for other networks, a *ConfigError for a bad Config,
+// SocketMode or QUICConfig, a negative DrainTimeout or an UpgradeSocket
+// that is the listening address itself, ErrNotLoopback
 // (wrapped) for a refused TCP address, and net.Listen's errors. With
 // UpgradeSocket it takes the listener of a running process over
 // (docs/protocol.md section 14), and returns ErrUpgradeInProgress (wrapped)
 // if that process is busy with another upgrade, and the handover's errors
-// (wrapped), in which case the running process goes on serving.
+// (wrapped), in which case the running process goes on serving. A bad
+// Config, TLSConfig, QUICConfig or DrainTimeout is reported before the
+// running process is asked to hand over.
 func (lc *ListenConfig) Listen(ctx context.Context, network, address string) (*Listener, error) {
 	if err := checkNetwork(network); err != nil {
 		return nil, err

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -53,6 +54,11 @@ const (
 	// defaultQUICPreambleTimeout bounds the wait for a new stream's
 	// preamble when Config.HandshakeTimeout is zero.
 	defaultQUICPreambleTimeout = 3 * time.Second
+	// defaultQUICStreamWait bounds a dial's wait for the server's stream
+	// limit when Config.QueueFullTimeout is zero: that field's default
+	// (package session), which bounds a dial's wait for room over shared
+	// memory too.
+	defaultQUICStreamWait = 5 * time.Second
 )
 
 // ErrNoSharedMemory is returned (wrapped) by Listener.AcceptStream and
@@ -119,19 +125,80 @@ func quicConfig(c *quic.Config, handshake time.Duration) *quic.Config {
 	return out
 }
 
-// quicUDP listens on a UDP socket at address (":0" for a client) and sizes
-// its buffers as quic-go advises. When the kernel caps them (net.core.
-// rmem_max, wmem_max), it says so once through logger instead of quic-go's
-// own print to standard error.
-func quicUDP(address string, logger *slog.Logger) (*net.UDPConn, error) {
-	ua, err := net.ResolveUDPAddr("udp", address)
+// checkQUICConfig returns a *ConfigError, its Field under field
+// ("ListenConfig.QUICConfig", "Dialer.QUICConfig"), when c (nil: the
+// defaults) sets a field with which shmlink's streams or messages cannot
+// work (docs/protocol.md section 17, Defaults); server tells which side
+// c is for.
+func checkQUICConfig(c *quic.Config, field string, server bool) error {
+	if c == nil {
+		return nil
+	}
+	switch {
+	case c.RequireStreamCreditRelease:
+		// Each side would stop taking the peer's streams, or messages,
+		// after the first MaxIncomingStreams (MaxIncomingUniStreams) of
+		// them in all.
+		return &ConfigError{Field: field + ".RequireStreamCreditRelease", Reason: "shmlink never calls ReleaseStreamCredit: the peer could open no more than MaxIncomingStreams streams in all"}
+	case server && c.MaxIncomingStreams < 0:
+		// A client takes no stream of the server's, which opens none.
+		return &ConfigError{Field: field + ".MaxIncomingStreams", Reason: "negative: clients could open no stream"}
+	case c.MaxIncomingUniStreams < 0:
+		return &ConfigError{Field: field + ".MaxIncomingUniStreams", Reason: "negative: the peer could send none of shmlink's messages (done, hot restart)"}
+	}
+	// What quic-go's Listen and Dial reject (its validateConfig), checked
+	// here first: a listener taking an upgrade socket over must know that
+	// its config works before it tells the running process to hand over
+	// (docs/protocol.md section 17, Hot upgrade).
+	for _, v := range c.Versions {
+		if v != quic.Version1 && v != quic.Version2 {
+			return &ConfigError{Field: field + ".Versions", Reason: fmt.Sprintf("%v is not a QUIC version that quic-go supports (quic.Version1, quic.Version2)", v)}
+		}
+	}
+	return nil
+}
+
+// quicClientConfigs wraps the GetConfigForClient of the listener's QUIC
+// config qcfg, if set, so that the config it returns for a connection
+// gets shmlink's defaults and checks too, as the listener's did: one that
+// fails checkQUICConfig refuses the connection (quic-go's
+// CONNECTION_REFUSED), and the first such is logged to logger.
+func quicClientConfigs(qcfg *quic.Config, handshake time.Duration, logger *slog.Logger) {
+	get := qcfg.GetConfigForClient
+	if get == nil {
+		return
+	}
+	var logged sync.Once
+	qcfg.GetConfigForClient = func(info *quic.ClientInfo) (*quic.Config, error) {
+		c, err := get(info)
+		if err != nil {
+			return nil, err
+		}
+		c = quicConfig(c, handshake)
+		if err := checkQUICConfig(c, "ListenConfig.QUICConfig.GetConfigForClient", true); err != nil {
+			logged.Do(func() {
+				logger.Warn("shmlink: QUIC connections refused: GetConfigForClient returned a config shmlink cannot work with (logged once)",
+					"remote", info.RemoteAddr, "err", err)
+			})
+			return nil, err
+		}
+		return c, nil
+	}
+}
+
+// quicUDP listens on a UDP socket at address (":0" for a client), whose
+// host it resolves under ctx, and sizes its buffers as quic-go advises.
+// When the kernel caps them (net.core.rmem_max, wmem_max), it says so once
+// through logger instead of quic-go's own print to standard error. It
+// returns net.ListenConfig.ListenPacket's errors, which wrap ctx's when
+// ctx ended the resolution.
+func quicUDP(ctx context.Context, address string, logger *slog.Logger) (*net.UDPConn, error) {
+	var lc net.ListenConfig
+	pc, err := lc.ListenPacket(ctx, "udp", address)
 	if err != nil {
 		return nil, err
 	}
-	c, err := net.ListenUDP("udp", ua)
-	if err != nil {
-		return nil, err
-	}
+	c := pc.(*net.UDPConn)
 	c.SetReadBuffer(quicUDPBuffer)
 	c.SetWriteBuffer(quicUDPBuffer)
 	rcv, snd := udpBuffers(c)
@@ -148,6 +215,44 @@ func quicUDP(address string, logger *slog.Logger) (*net.UDPConn, error) {
 		})
 	}
 	return c, nil
+}
+
+// resolveUDP resolves address (host:port, the port a number or a service
+// name) to a UDP address with r under ctx: an IP address as it is, and of
+// a host name's addresses the first IPv4 one, else the first, as
+// net.ResolveUDPAddr("udp", address) picks without a context. It returns
+// r's errors, which wrap ctx's when ctx ended the lookup, and a
+// *net.AddrError for a name without addresses.
+func resolveUDP(ctx context.Context, r *net.Resolver, address string) (*net.UDPAddr, error) {
+	host, service, err := net.SplitHostPort(address)
+	if err != nil {
+		return nil, err
+	}
+	port, err := r.LookupPort(ctx, "udp", service)
+	if err != nil {
+		return nil, err
+	}
+	if host == "" {
+		return &net.UDPAddr{Port: port}, nil // this host, as ResolveUDPAddr
+	}
+	if ip, err := netip.ParseAddr(host); err == nil {
+		return net.UDPAddrFromAddrPort(netip.AddrPortFrom(ip, uint16(port))), nil
+	}
+	ips, err := r.LookupNetIP(ctx, "ip", host)
+	if err != nil {
+		return nil, err
+	}
+	if len(ips) == 0 {
+		return nil, &net.AddrError{Err: "no address found", Addr: host}
+	}
+	ip := ips[0]
+	for _, a := range ips {
+		if a.Unmap().Is4() {
+			ip = a
+			break
+		}
+	}
+	return net.UDPAddrFromAddrPort(netip.AddrPortFrom(ip.Unmap(), uint16(port))), nil
 }
 
 // udpBuffers returns the socket buffer sizes of c in bytes, as the kernel
@@ -376,8 +481,9 @@ var errReadClosed = fmt.Errorf("shmlink: stream closed for reading: %w", net.Err
 // ErrSessionClosed when this side closed the connection; and otherwise a
 // *SessionError when the connection ended, or a *quicError for a stream
 // the peer reset, unwrapping to ErrPeerClosed (syscall.ECONNRESET), to
-// ErrStreamRefused for a connection that a closed listener refused, or to
-// ErrHandshake for a failed TLS handshake.
+// ErrStreamRefused for a connection that a closed listener refused (with
+// quicCodeRefused, or quic-go's CONNECTION_REFUSED), or to ErrHandshake
+// for a failed TLS handshake.
 func quicErr(op string, err error) error {
 	var (
 		se *quic.StreamError
@@ -406,7 +512,11 @@ func quicErr(op string, err error) error {
 	switch {
 	case ae != nil && ae.ErrorCode == quicCodeRefused:
 		sentinel = ErrStreamRefused // a connection that a closed listener refused
-	case errors.As(err, &te) && te.ErrorCode.IsCryptoError():
+	case errors.As(err, &te) && te.Remote && te.ErrorCode == quic.ConnectionRefused:
+		// quic-go's listener, closing, refused a connection whose
+		// handshake it had not completed, which the client had.
+		sentinel = ErrStreamRefused
+	case te != nil && te.ErrorCode.IsCryptoError():
 		sentinel = ErrHandshake
 	}
 	return &SessionError{Op: op, Err: &quicError{sentinel: sentinel, cause: err}}
@@ -463,12 +573,19 @@ func acceptQUICStream(s *quic.Stream, qc *quicConn, timeout time.Duration) (*qui
 // new stream: it ends with its last stream (quicDraining).
 var errQUICDraining = errors.New("shmlink: QUIC connection takes no new stream")
 
-// openQUICStream opens a stream on qc and writes its preamble.
-func openQUICStream(ctx context.Context, qc *quicConn) (*quicStream, error) {
+// openQUICStream opens a stream on qc and writes its preamble. When the
+// connection has as many streams open as the server allows (its
+// MaxIncomingStreams), it waits for one of them to end, for wait at most
+// (docs/protocol.md section 17, Streams): then it returns an error
+// wrapping ErrQueueFull, and ctx's error if ctx ends first.
+func openQUICStream(ctx context.Context, qc *quicConn, wait time.Duration) (*quicStream, error) {
 	if !qc.tryOpen() {
 		return nil, errQUICDraining
 	}
-	s, err := qc.conn.OpenStreamSync(ctx)
+	s, err := qc.conn.OpenStream()
+	if isStreamLimit(err) {
+		s, err = openQUICStreamWait(ctx, qc, wait)
+	}
 	if err == nil {
 		qc.step(quicStreamOpened, 0) // its id is taken: it reaches the peer, if only reset
 		if _, err = s.Write([]byte{quicPreamble}); err != nil {
@@ -478,9 +595,37 @@ func openQUICStream(ctx context.Context, qc *quicConn) (*quicStream, error) {
 	}
 	if err != nil {
 		qc.closed()
+		if errors.Is(err, ErrQueueFull) {
+			return nil, err
+		}
 		return nil, quicErr("open", err)
 	}
 	return &quicStream{s: s, qc: qc}, nil
+}
+
+// errQUICStreamLimit ends openQUICStreamWait's wait.
+var errQUICStreamLimit = errors.New("shmlink: the QUIC stream limit stayed reached")
+
+// openQUICStreamWait opens a stream on qc once the server allows one more,
+// waiting for wait at most: then it returns an error wrapping
+// ErrQueueFull. It returns ctx's error if ctx ends first, and quic-go's
+// if the connection ends.
+func openQUICStreamWait(ctx context.Context, qc *quicConn, wait time.Duration) (*quic.Stream, error) {
+	wctx, cancel := context.WithTimeoutCause(ctx, wait, errQUICStreamLimit)
+	defer cancel()
+	s, err := qc.conn.OpenStreamSync(wctx)
+	if err != nil && ctx.Err() == nil && context.Cause(wctx) == errQUICStreamLimit {
+		return nil, fmt.Errorf("%w: the server's limit of streams on the QUIC connection (its QUICConfig.MaxIncomingStreams) stayed reached for %v (Config.QueueFullTimeout)", ErrQueueFull, wait)
+	}
+	return s, err
+}
+
+// isStreamLimit reports whether err is quic-go's StreamLimitReachedError:
+// the peer allows no more streams for now.
+func isStreamLimit(err error) bool {
+	var p *quic.StreamLimitReachedError
+	var v quic.StreamLimitReachedError
+	return err != nil && (errors.As(err, &p) || errors.As(err, &v))
 }
 
 // Compile-time checks of the interfaces a quicStream provides.

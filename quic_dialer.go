@@ -30,6 +30,13 @@ func (d *Dialer) dialQUIC(ctx context.Context, address string) (net.Conn, error)
 	if err := d.validate(); err != nil {
 		return nil, err
 	}
+	if err := checkQUICConfig(d.QUICConfig, "Dialer.QUICConfig", false); err != nil {
+		return nil, err
+	}
+	wait := defaultQUICStreamWait
+	if d.Config != nil && d.Config.QueueFullTimeout > 0 {
+		wait = d.Config.QueueFullTimeout
+	}
 	var err error
 	for ended, draining := 0, 0; ended < 3 && draining < maxDrainingPicks; {
 		var qc *quicConn
@@ -37,7 +44,7 @@ func (d *Dialer) dialQUIC(ctx context.Context, address string) (net.Conn, error)
 			return nil, err
 		}
 		var st *quicStream
-		if st, err = openQUICStream(ctx, qc); err == nil {
+		if st, err = openQUICStream(ctx, qc, wait); err == nil {
 			return st, nil
 		}
 		switch {
@@ -108,19 +115,19 @@ func (d *Dialer) quicConnTo(ctx context.Context, address string) (*quicConn, err
 			handshake = d.Config.HandshakeTimeout
 		}
 		qcfg := quicConfig(d.QUICConfig, handshake)
-		ua, err := net.ResolveUDPAddr("udp", address)
+		// The name's lookup is the dial's too: ctx bounds it
+		// (docs/protocol.md section 17, Connection).
+		ua, err := resolveUDP(ctx, cmp.Or(d.resolver, net.DefaultResolver), address)
 		if err == nil {
-			conn, err = q.tr.Dial(ctx, ua, tlsConf, qcfg)
-			switch {
-			case err == nil:
-			case ctx.Err() != nil:
-				// The context ended the dial, or ended as the handshake
-				// failed for another reason: the dial's error is the
-				// context's either way, as net.Dialer's is.
-				err = ctx.Err()
-			default:
+			if conn, err = q.tr.Dial(ctx, ua, tlsConf, qcfg); err != nil && ctx.Err() == nil {
 				err = quicHandshakeErr(err)
 			}
+		}
+		if err != nil && ctx.Err() != nil {
+			// The context ended the lookup or the dial, or ended as they
+			// failed for another reason: the dial's error is the
+			// context's either way, as net.Dialer's is.
+			err = ctx.Err()
 		}
 		var qc *quicConn
 		d.mu.Lock()
@@ -177,7 +184,8 @@ func (d *Dialer) quicSide() (*quicDialer, error) {
 	if d.quic != nil {
 		return d.quic, nil
 	}
-	udp, err := quicUDP(":0", d.logger()) // dual-stack: IPv4 and IPv6 servers
+	// Dual-stack, for IPv4 and IPv6 servers; ":0" needs no lookup.
+	udp, err := quicUDP(context.Background(), ":0", d.logger())
 	if err != nil {
 		return nil, err
 	}

@@ -31,6 +31,10 @@ type quicListener struct {
 	accepts chan *quicStream
 	ctx     context.Context // done once the listener stops accepting
 	stop    context.CancelFunc
+	// closeHook, nil outside tests, runs in close between stopping the
+	// listener and closing quic-go's, where tests hold it
+	// (export_quic_test.go).
+	closeHook func()
 	// wg counts acceptLoop and one serve per connection. On a closed
 	// listener the last of them closes the socket before it is done, so
 	// that wg.Wait returning means the port is free (exit).
@@ -58,8 +62,16 @@ func (lc *ListenConfig) listenQUIC(ctx context.Context, address string, cfg Conf
 	}
 	cfg = withLogger(cfg)
 	qcfg := quicConfig(lc.QUICConfig, cfg.HandshakeTimeout)
+	// Everything that can fail without the socket fails here, before
+	// TakeOver commits the running process to hand over: after that,
+	// startQUICListener must not fail (docs/protocol.md section 17, Hot
+	// upgrade).
+	if err := checkQUICConfig(qcfg, "ListenConfig.QUICConfig", true); err != nil {
+		return nil, err
+	}
+	quicClientConfigs(qcfg, cfg.HandshakeTimeout, cfg.Logger)
 	if lc.UpgradeSocket == "" {
-		udp, err := quicUDP(address, cfg.Logger)
+		udp, err := quicUDP(ctx, address, cfg.Logger)
 		if err != nil {
 			return nil, err
 		}
@@ -79,7 +91,7 @@ func (lc *ListenConfig) listenQUIC(ctx context.Context, address string, cfg Conf
 	ln, up, err := upgrade.TakeOver(ctx, ucfg, nil)
 	if errors.Is(err, upgrade.ErrNoOwner) {
 		ln, up, err = upgrade.Listen(ucfg, func() (net.Listener, error) {
-			udp, err := quicUDP(address, cfg.Logger)
+			udp, err := quicUDP(ctx, address, cfg.Logger)
 			if err != nil {
 				return nil, err
 			}
@@ -137,14 +149,21 @@ func startQUICListener(tr *quic.Transport, udp *net.UDPConn, rc *routedConn, up 
 	return &Listener{q: q, up: up}, nil
 }
 
-// acceptLoop accepts connections until the listener closes.
+// acceptLoop accepts connections until quic-go's listener is closed
+// (close, HandOver) or fails. It does not stop at q.ctx: quic-go's Accept
+// returns the connections still in its accept queue before it reports
+// the close (ErrServerClosed), and those that complete their handshake
+// while the listener closes get there too; a closed listener refuses each
+// with quicCodeRefused, so that its client reads ErrStreamRefused instead
+// of waiting on a connection that no one serves (docs/protocol.md section
+// 17, The listener's socket).
 func (q *quicListener) acceptLoop() {
 	defer q.exit()
 	for {
-		conn, err := q.ln.Accept(q.ctx)
+		conn, err := q.ln.Accept(context.Background())
 		if err != nil {
 			q.mu.Lock()
-			if q.ctx.Err() == nil && q.handedTo == 0 { // else closed, or the new process accepts now
+			if !q.closed && q.ctx.Err() == nil && q.handedTo == 0 { // else closed, or the new process accepts now
 				q.err = err
 				q.stop()
 			}
@@ -267,7 +286,8 @@ func (q *quicListener) closeSocket() {
 }
 
 // close stops accepting connections and streams; each connection ends
-// with its last stream. The UDP socket stays open while a connection
+// with its last stream, and one that acceptLoop had not taken yet is
+// refused. The UDP socket stays open while a connection
 // lives: with none, close returns once it closed the socket, and returns
 // that error; otherwise the last connection to end closes it (exit).
 // It returns net.ErrClosed when called again.
@@ -285,6 +305,11 @@ func (q *quicListener) close() error {
 	if q.up != nil {
 		q.up.Stop()
 	}
+	if q.closeHook != nil {
+		q.closeHook()
+	}
+	// acceptLoop refuses what quic-go's accept queue still holds, and
+	// returns once it is empty.
 	err := q.ln.Close()
 	if errors.Is(err, quic.ErrServerClosed) {
 		err = nil

@@ -11,11 +11,14 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/quic-go/quic-go"
+	"github.com/quic-go/quic-go/qlog"
+	"github.com/quic-go/quic-go/qlogwriter"
 	"github.com/shmlink/shmlink"
 	"github.com/shmlink/shmlink/internal/peertest"
 	"github.com/stretchr/testify/assert"
@@ -96,6 +99,164 @@ func TestQUICConfigErrors(t *testing.T) {
 	require.ErrorIs(t, err, shmlink.ErrNoSharedMemory)
 	_, err = d.DialStream(t.Context(), "quic", ln.Addr().String())
 	require.ErrorIs(t, err, shmlink.ErrNoSharedMemory)
+}
+
+// QUIC config fields with which shmlink cannot work are a *ConfigError at
+// Listen and at the dial, naming the field, rather than dials that hang
+// later (docs/protocol.md section 17, Defaults): RequireStreamCreditRelease
+// (shmlink releases no credit, so a connection would take MaxIncomingStreams
+// streams in all), a negative MaxIncomingStreams on the server (no stream
+// at all) and a negative MaxIncomingUniStreams (none of shmlink's
+// messages). A negative MaxIncomingStreams on a Dialer, to which servers
+// open no stream, works. A config that the listener's GetConfigForClient
+// returns is checked too: the connection is refused.
+func TestQUICConfigRejected(t *testing.T) {
+	_, stls, ctls := quicTLS(t, false)
+	for _, c := range []struct {
+		cfg   *quic.Config
+		field string
+	}{
+		{&quic.Config{RequireStreamCreditRelease: true}, "RequireStreamCreditRelease"},
+		{&quic.Config{MaxIncomingStreams: -1}, "MaxIncomingStreams"},
+		{&quic.Config{MaxIncomingUniStreams: -1}, "MaxIncomingUniStreams"},
+	} {
+		var ce *shmlink.ConfigError
+		_, err := (&shmlink.ListenConfig{TLSConfig: stls, QUICConfig: c.cfg}).Listen(t.Context(), "quic", "127.0.0.1:0")
+		require.ErrorAs(t, err, &ce, c.field)
+		require.Equal(t, "ListenConfig.QUICConfig."+c.field, ce.Field)
+		if c.field == "MaxIncomingStreams" {
+			continue
+		}
+		d := &shmlink.Dialer{TLSConfig: ctls, QUICConfig: c.cfg}
+		_, err = d.Dial("quic", "127.0.0.1:1")
+		require.ErrorAs(t, err, &ce, c.field)
+		require.Equal(t, "Dialer.QUICConfig."+c.field, ce.Field)
+		require.NoError(t, d.Close())
+	}
+
+	get := &quic.Config{GetConfigForClient: func(*quic.ClientInfo) (*quic.Config, error) {
+		return &quic.Config{RequireStreamCreditRelease: true}, nil
+	}}
+	ln, err := (&shmlink.ListenConfig{TLSConfig: stls, QUICConfig: get}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	d := &shmlink.Dialer{TLSConfig: ctls, QUICConfig: &quic.Config{MaxIncomingStreams: -1}}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	_, err = d.DialContext(ctx, "quic", ln.Addr().String())
+	require.ErrorIs(t, err, shmlink.ErrHandshake, "GetConfigForClient's config refuses the connection")
+	require.ErrorContains(t, err, "CONNECTION_REFUSED")
+
+	ln2, d2 := quicPair(t)
+	d2.QUICConfig = &quic.Config{MaxIncomingStreams: -1}
+	c, s := dialAccepted(t, d2, ln2, "quic")
+	_, err = c.Write([]byte("x"))
+	require.NoError(t, err)
+	_, err = io.ReadFull(s, make([]byte, 1))
+	require.NoError(t, err, "a Dialer that takes no stream of the server's works")
+}
+
+// A QUIC config that quic-go would reject (here a QUIC version it does not
+// know) is a *ConfigError before a new listener takes the upgrade socket
+// over, not after the running listener handed its socket over: that one
+// keeps serving, new connections included, and a good upgrade then goes
+// through as the first (docs/protocol.md section 17, Hot upgrade). A
+// Dialer's such config is a *ConfigError too, not a failed handshake.
+func TestQUICUpgradeBadConfigKeepsServing(t *testing.T) {
+	stls, ctls := sharedQUICTLS(t)
+	usock := filepath.Join(t.TempDir(), "upgrade.sock")
+	a, err := (&shmlink.ListenConfig{TLSConfig: stls, UpgradeSocket: usock}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	stopA := serveEcho(a, 4)
+	defer stopA()
+	addr := a.Addr().String()
+
+	bad := &quic.Config{Versions: []quic.Version{0x2a2a2a2a}}
+	var ce *shmlink.ConfigError
+	_, err = (&shmlink.ListenConfig{TLSConfig: stls, UpgradeSocket: usock, QUICConfig: bad}).Listen(t.Context(), "quic", addr)
+	require.ErrorAs(t, err, &ce)
+	require.Equal(t, "ListenConfig.QUICConfig.Versions", ce.Field)
+	select {
+	case <-a.Upgraded():
+		t.Fatal("the running listener handed over to a listener that failed")
+	default:
+	}
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	c, err := d.DialContext(ctx, "quic", addr)
+	require.NoError(t, err, "the running listener takes new connections")
+	require.NoError(t, peertest.Echo(c, 1000, 1))
+	require.NoError(t, c.Close())
+
+	_, err = (&shmlink.Dialer{TLSConfig: ctls, QUICConfig: bad}).DialContext(ctx, "quic", addr)
+	require.ErrorAs(t, err, &ce)
+	require.Equal(t, "Dialer.QUICConfig.Versions", ce.Field)
+	require.NotErrorIs(t, err, shmlink.ErrHandshake)
+
+	b, err := (&shmlink.ListenConfig{TLSConfig: stls, UpgradeSocket: usock}).Listen(t.Context(), "quic", addr)
+	require.NoError(t, err)
+	stopB := serveEcho(b, 4)
+	defer stopB()
+	require.Equal(t, uint64(1), b.Epoch(), "the failed listen did not count")
+	waitChan(t, a.Upgraded(), "the old listener to drain")
+	c, err = d.DialContext(ctx, "quic", addr)
+	require.NoError(t, err)
+	require.NoError(t, peertest.Echo(c, 1000, 2))
+	require.NoError(t, c.Close())
+}
+
+// A "quic" dial's name lookup is bounded by the dial's context: with a DNS
+// server that never answers (a resolver whose connections wait for their
+// context), a dial whose context ends returns the context's error then,
+// not the lookup's after its own timeouts (docs/protocol.md section 17,
+// Connection). No packet leaves the host.
+func TestQUICDialLookupHonoursContext(t *testing.T) {
+	_, _, ctls := quicTLS(t, false)
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer d.Close()
+	var asked atomic.Int32
+	shmlink.SetQUICResolver(d, &net.Resolver{
+		PreferGo: true,
+		Dial: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			asked.Add(1)
+			<-ctx.Done() // a DNS server that never answers
+			return nil, ctx.Err()
+		},
+	})
+	const name = "shmlink-test.invalid:4433" // not in /etc/hosts: asks DNS
+	for _, c := range []struct {
+		why  string
+		ctx  func() (context.Context, context.CancelFunc)
+		want error
+	}{
+		{"deadline", func() (context.Context, context.CancelFunc) {
+			return context.WithTimeout(t.Context(), 100*time.Millisecond)
+		}, context.DeadlineExceeded},
+		{"cancelled", func() (context.Context, context.CancelFunc) {
+			ctx, cancel := context.WithCancel(t.Context())
+			cancel()
+			return ctx, cancel
+		}, context.Canceled},
+	} {
+		ctx, cancel := c.ctx()
+		done := make(chan error, 1)
+		go func() {
+			_, err := d.DialContext(ctx, "quic", name)
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			require.ErrorIs(t, err, c.want, c.why)
+			require.NotErrorIs(t, err, shmlink.ErrHandshake, c.why)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%s: the dial's lookup outlived its context", c.why)
+		}
+		cancel()
+	}
+	require.NotZero(t, asked.Load(), "the lookup asked the DNS server")
 }
 
 // The error vocabulary of a stream over QUIC: io.EOF at the peer's close,
@@ -421,6 +582,181 @@ func TestQUICRefusedAfterListenerClose(t *testing.T) {
 		require.ErrorIs(t, err, syscall.ECONNREFUSED)
 	}
 	require.EqualValues(t, 2, ln.Stats().StreamsRefused)
+}
+
+// A connection whose handshake completes while Listener.Close runs, and
+// that therefore waits in quic-go's accept queue, is refused: its client
+// reads ErrStreamRefused, as Close promises for the streams Accept never
+// returned, instead of waiting for ever on a connection that no one
+// serves and that keepalives keep alive (docs/protocol.md section 17).
+// The hook holds Close where it has stopped accepting streams and not yet
+// closed quic-go's listener; a live stream keeps the listener's socket
+// open meanwhile.
+func TestQUICCloseRefusesQueuedConnection(t *testing.T) {
+	_, stls, ctls := quicTLS(t, false)
+	ln, err := (&shmlink.ListenConfig{TLSConfig: stls}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer d.Close()
+	dialAccepted(t, d, ln, "quic") // held: the socket stays open after Close
+
+	held, release := make(chan struct{}), make(chan struct{})
+	shmlink.SetQUICCloseHook(ln, func() {
+		close(held)
+		<-release
+	})
+	closed := make(chan error, 1)
+	go func() { closed <- ln.Close() }()
+	waitChan(t, held, "Close to stop accepting")
+
+	// A connection of its own, whose dial returns once the client's side
+	// of the handshake completed: the server's completes when the client's
+	// last handshake message arrives, and puts the connection in the accept
+	// queue; it then confirms the handshake to the client, or closes the
+	// connection, which the tracer reports. Until then, the close of
+	// quic-go's listener would refuse the handshake instead (quic-go's
+	// CONNECTION_REFUSED, TestQUICConnectionRefusedIsStreamRefused).
+	trace := &handshakeTrace{settled: make(chan struct{})}
+	late := &shmlink.Dialer{TLSConfig: ctls, QUICConfig: &quic.Config{
+		Tracer: func(context.Context, bool, quic.ConnectionID) qlogwriter.Trace { return trace },
+	}}
+	defer late.Close()
+	c, err := late.Dial("quic", ln.Addr().String())
+	require.NoError(t, err, "the handshake completes: the listener is still open")
+	defer c.Close()
+	waitChan(t, trace.settled, "the server to complete the handshake")
+	close(release)
+	select {
+	case err := <-closed:
+		require.NoError(t, err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close did not return")
+	}
+
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	_, err = c.Read(make([]byte, 1))
+	require.ErrorIs(t, err, shmlink.ErrStreamRefused, "the queued connection is refused, not left waiting")
+	require.ErrorIs(t, err, syscall.ECONNREFUSED)
+}
+
+// A connection that quic-go's closing listener refused in its handshake
+// (CONNECTION_REFUSED), after the client's side of the handshake had
+// completed, reads ErrStreamRefused, as one that shmlink's closed
+// listener refused with code 1 (docs/protocol.md section 17, Errors):
+// which of the two a connection gets depends on when its handshake
+// completes on the server.
+func TestQUICConnectionRefusedIsStreamRefused(t *testing.T) {
+	err := shmlink.QUICErr("read", &quic.TransportError{Remote: true, ErrorCode: quic.ConnectionRefused})
+	require.ErrorIs(t, err, shmlink.ErrStreamRefused)
+	require.ErrorIs(t, err, syscall.ECONNREFUSED)
+	require.NotErrorIs(t, err, net.ErrClosed, "the peer's refusal reads as a local close")
+	var se *shmlink.SessionError
+	require.ErrorAs(t, err, &se, "the connection's end, as a refused connection's")
+	require.Contains(t, err.Error(), "CONNECTION_REFUSED")
+}
+
+// handshakeTrace is a client connection's qlog trace that closes settled
+// once the server's side of the handshake is known to have ended: the
+// handshake is confirmed (the server completed it), or the connection
+// closed (the server refused it, before or after completing it). It
+// records nothing else.
+type handshakeTrace struct {
+	settled chan struct{}
+	once    sync.Once
+}
+
+func (h *handshakeTrace) AddProducer() qlogwriter.Recorder { return h }
+func (h *handshakeTrace) Close() error                     { return nil }
+
+func (h *handshakeTrace) RecordEvent(ev qlogwriter.Event) {
+	switch e := ev.(type) {
+	case qlog.ConnectionStateUpdated:
+		if e.State != qlog.ConnectionStateHandshakeConfirmed {
+			return
+		}
+	case qlog.ConnectionClosed:
+	default:
+		return
+	}
+	h.once.Do(func() { close(h.settled) })
+}
+
+// A dial that finds the server's stream limit reached on its connection
+// (here MaxIncomingStreams 1, and a stream the application has not
+// accepted) waits for Config.QueueFullTimeout, not for ever, and fails
+// with ErrQueueFull, as a dial that finds the IO queue full over shared
+// memory; a context that ends first ends it with its error. Once a stream
+// ends, the connection takes the next one (docs/protocol.md section 17,
+// Streams).
+func TestQUICDialAtStreamLimit(t *testing.T) {
+	_, stls, ctls := quicTLS(t, false)
+	lc := shmlink.ListenConfig{TLSConfig: stls, QUICConfig: &quic.Config{MaxIncomingStreams: 1}}
+	ln, err := lc.Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	const wait = 300 * time.Millisecond
+	d := &shmlink.Dialer{TLSConfig: ctls, Config: &shmlink.Config{QueueFullTimeout: wait}}
+	defer d.Close()
+	addr := ln.Addr().String()
+	parked, err := d.Dial("quic", addr) // the server holds it for Accept
+	require.NoError(t, err)
+
+	type result struct {
+		c   net.Conn
+		err error
+		in  time.Duration
+	}
+	dial := func(ctx context.Context) result {
+		t.Helper()
+		done := make(chan result, 1)
+		go func() {
+			start := time.Now()
+			c, err := d.DialContext(ctx, "quic", addr)
+			done <- result{c, err, time.Since(start)}
+		}()
+		select {
+		case r := <-done:
+			return r
+		case <-time.After(10 * time.Second):
+			t.Fatal("a dial at the server's stream limit did not return")
+			return result{}
+		}
+	}
+	r := dial(context.Background())
+	require.ErrorIs(t, r.err, shmlink.ErrQueueFull)
+	require.ErrorContains(t, r.err, "MaxIncomingStreams")
+	require.GreaterOrEqual(t, r.in, wait, "it waited for Config.QueueFullTimeout")
+
+	ctx, cancel := context.WithTimeout(t.Context(), wait/10)
+	defer cancel()
+	r = dial(ctx)
+	require.ErrorIs(t, r.err, context.DeadlineExceeded, "the context ends the wait first")
+	require.NotErrorIs(t, r.err, shmlink.ErrQueueFull)
+
+	// The parked stream ends: the connection takes a new one once the
+	// server has seen both sides closed and raised its limit.
+	s, err := ln.Accept()
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+	require.NoError(t, parked.Close())
+	for start := time.Now(); ; {
+		if r = dial(context.Background()); !errors.Is(r.err, shmlink.ErrQueueFull) || time.Since(start) > 10*time.Second {
+			break
+		}
+	}
+	require.NoError(t, r.err)
+	defer r.c.Close()
+	s, err = ln.Accept()
+	require.NoError(t, err)
+	defer s.Close()
+	_, err = r.c.Write([]byte("x"))
+	require.NoError(t, err)
+	buf := make([]byte, 1)
+	_, err = io.ReadFull(s, buf)
+	require.NoError(t, err)
+	require.Equal(t, "x", string(buf))
+	require.Equal(t, 1, ln.NumSessions(), "one connection: the dials did not open more")
 }
 
 // A QUIC dial whose TLS handshake fails (here: the server's certificate
