@@ -271,17 +271,20 @@ func udpBuffers(c *net.UDPConn) (rcv, snd int) {
 
 // quicStream is a QUIC stream as a net.Conn (docs/protocol.md section 17).
 // quic-go forbids a stream's Close concurrently with its Write, which a
-// net.Conn allows: wmu serializes them, and Close first ends a blocked
-// Write through its deadline (closeDeadline), which a concurrent
+// net.Conn allows: wmu serializes them, and Close and CloseWrite first end
+// a blocked Write through its deadline (closeDeadline), which a concurrent
 // SetDeadline or SetWriteDeadline then sets again rather than undo
 // (setDeadlines).
 type quicStream struct {
 	s  *quic.Stream
 	qc *quicConn
 
-	wmu       sync.Mutex
-	wclosed   bool // CloseWrite or Close sent the FIN; guarded by wmu
-	closing   atomic.Bool
+	wmu     sync.Mutex
+	wclosed bool // CloseWrite or Close sent the FIN; guarded by wmu
+	closing atomic.Bool
+	// wclosing is set by CloseWrite before it sets closeDeadline to end a
+	// blocked Write, and stays set: writes fail with ErrWriteClosed.
+	wclosing  atomic.Bool
 	closeOnce sync.Once
 
 	// hooks, nil outside tests, run where tests interleave a deadline
@@ -321,7 +324,9 @@ func (q *quicStream) Read(b []byte) (int, error) {
 
 // Write writes b to the stream, as net.Conn's Write, waiting while the
 // peer's flow-control window is full. It returns ErrStreamClosed after
-// Close, ErrWriteClosed after CloseWrite, an error satisfying
+// Close, ErrWriteClosed after CloseWrite or when a CloseWrite ends it
+// while it waits (then n counts the bytes written before, which the peer
+// reads before io.EOF), an error satisfying
 // errors.Is(err, os.ErrDeadlineExceeded) at the write deadline, the
 // errors of Read for a refused stream or a connection's end, and one
 // wrapping ErrPeerClosed when the peer stopped reading (closed the
@@ -339,16 +344,29 @@ func (q *quicStream) Write(b []byte) (int, error) {
 	q.qc.bytesSent.Add(uint64(n))
 	if err != nil {
 		err = q.mapErr("write", err)
+		if q.wclosing.Load() && !errors.Is(err, ErrStreamClosed) {
+			err = ErrWriteClosed // CloseWrite's closeDeadline ended it
+		}
 	}
 	return n, err
 }
 
 // CloseWrite half-closes the stream: the peer reads io.EOF after every
-// byte written, while this side goes on reading. Later writes fail with
-// ErrWriteClosed. It returns nil when called again, ErrStreamClosed after
-// Close, and an error wrapping ErrPeerClosed when the peer had stopped
-// reading.
+// byte written, while this side goes on reading. It does not wait for a
+// Write blocked on flow control: it ends it through a write deadline in
+// the past (closeDeadline), as Close does, and that Write returns
+// ErrWriteClosed with the count of the bytes it wrote, which still reach
+// the peer before the FIN (a TCPConn's returns EPIPE there; shmlink keeps
+// the error of its later writes, docs/protocol.md section 17, Closing).
+// Later writes fail with ErrWriteClosed. It returns nil when called
+// again, ErrStreamClosed after Close, and an error wrapping ErrPeerClosed
+// when the peer had stopped reading.
 func (q *quicStream) CloseWrite() error {
+	if q.closing.Load() {
+		return ErrStreamClosed
+	}
+	q.wclosing.Store(true)              // before closeDeadline: see setDeadlines
+	q.s.SetWriteDeadline(closeDeadline) // ends a Write blocked on flow control
 	q.wmu.Lock()
 	defer q.wmu.Unlock()
 	if q.closing.Load() {
@@ -433,11 +451,13 @@ func (q *quicStream) SetReadDeadline(t time.Time) error { return q.setDeadlines(
 func (q *quicStream) SetWriteDeadline(t time.Time) error { return q.setDeadlines(t, false, true) }
 
 // setDeadlines sets the read deadline, the write deadline or both to t,
-// unless Close began. A Close concurrent with it may have set
-// closeDeadline before this sets t: then this sees closing once it has
-// set t (Close sets closing first, and quic-go orders the two deadline
-// writes), and sets closeDeadline again, or a Write blocked on flow
-// control would stay blocked, and Close behind it.
+// unless Close began. A Close or CloseWrite concurrent with it may have
+// set closeDeadline before this sets t: then this sees closing (wclosing)
+// once it has set t (they set it first, and quic-go orders the two
+// deadline writes), and sets closeDeadline again, or a Write blocked on
+// flow control would stay blocked, and Close or CloseWrite behind it.
+// After CloseWrite the write deadline stays closeDeadline, which no Write
+// waits for any more.
 func (q *quicStream) setDeadlines(t time.Time, read, write bool) error {
 	if q.closing.Load() {
 		return ErrStreamClosed
@@ -453,6 +473,9 @@ func (q *quicStream) setDeadlines(t time.Time, read, write bool) error {
 		if q.closing.Load() {
 			q.s.SetWriteDeadline(closeDeadline)
 			return ErrStreamClosed
+		}
+		if q.wclosing.Load() {
+			q.s.SetWriteDeadline(closeDeadline)
 		}
 	}
 	return nil

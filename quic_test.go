@@ -993,3 +993,73 @@ func TestQUICHandshakeTimeout(t *testing.T) {
 	require.ErrorIs(t, err, shmlink.ErrHandshake)
 	require.Less(t, time.Since(start), 3*time.Second, "the handshake outlived Config.HandshakeTimeout")
 }
+
+// CloseWrite does not wait behind a Write blocked on flow control (the
+// peer does not read, and its stream window is small): it ends that
+// Write, which returns ErrWriteClosed (net.ErrClosed) with the count of
+// the bytes it wrote, and sends FIN; the peer reads every byte written
+// before, then io.EOF, and later writes fail with ErrWriteClosed
+// (docs/protocol.md section 17, Closing).
+func TestQUICCloseWriteEndsBlockedWrite(t *testing.T) {
+	_, stls, ctls := quicTLS(t, false)
+	window := &quic.Config{InitialStreamReceiveWindow: 64 << 10, MaxStreamReceiveWindow: 64 << 10}
+	ln, err := (&shmlink.ListenConfig{TLSConfig: stls, QUICConfig: window}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer d.Close()
+	c, s := dialAccepted(t, d, ln, "quic")
+
+	const first = 1000
+	data := pattern(first+1<<20, 7)
+	n0, err := c.Write(data[:first])
+	require.NoError(t, err)
+	require.Equal(t, first, n0)
+	type result struct {
+		n   int
+		err error
+	}
+	wrote := make(chan result, 1)
+	go func() {
+		n, err := c.Write(data[first:]) // past the server's window: blocks
+		wrote <- result{n, err}
+	}()
+	// The server reads the first bytes, and more: the Write is under way.
+	_, err = io.ReadFull(s, make([]byte, first+1))
+	require.NoError(t, err)
+
+	closed := make(chan error, 1)
+	go func() { closed <- c.(interface{ CloseWrite() error }).CloseWrite() }()
+	select {
+	case err = <-closed:
+	case <-time.After(10 * time.Second):
+		t.Fatal("CloseWrite still waits for a blocked Write after 10 s")
+	}
+	require.NoError(t, err)
+	var r result
+	select {
+	case r = <-wrote:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the blocked Write did not return after CloseWrite")
+	}
+	require.ErrorIs(t, r.err, shmlink.ErrWriteClosed)
+	require.ErrorIs(t, r.err, net.ErrClosed)
+	require.Less(t, r.n, len(data)-first, "the Write was blocked")
+	_, err = c.Write([]byte("x"))
+	require.ErrorIs(t, err, shmlink.ErrWriteClosed)
+
+	// The peer reads what was written, to the byte, then io.EOF.
+	require.NoError(t, s.SetReadDeadline(time.Now().Add(10*time.Second)))
+	rest, err := io.ReadAll(s)
+	require.NoError(t, err, "io.EOF after the bytes written")
+	require.Equal(t, data[first+1:first+r.n], rest)
+
+	// The stream still reads: the server's reply arrives.
+	_, err = s.Write([]byte("reply"))
+	require.NoError(t, err)
+	buf := make([]byte, 5)
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+	_, err = io.ReadFull(c, buf)
+	require.NoError(t, err)
+	require.Equal(t, "reply", string(buf))
+}
