@@ -39,3 +39,8 @@ func QUICErr(op string, err error) error { return quicErr(op, err) }
 func SetQUICResolver(d *Dialer, r *net.Resolver) {
 	d.resolver = r
 }
+
+// QUICPendingStreams returns the number of streams that the QUIC listener
+// l holds and Accept has not returned: those waiting for their preamble,
+// each in a goroutine of its own, and those waiting for Accept.
+func QUICPendingStreams(l *Listener) int { return int(l.q.pending.Load()) }

@@ -36,7 +36,7 @@ const quicPreamble byte = 0x01
 // Application error codes of the QUIC mode (docs/protocol.md section 17).
 const (
 	quicCodeClosed      = 0 // Close of a stream or a connection
-	quicCodeRefused     = 1 // a stream refused: the listener is closed
+	quicCodeRefused     = 1 // a stream refused: the listener is closed, or its accept backlog full
 	quicCodeBadPreamble = 2 // a stream that did not start with quicPreamble
 )
 
@@ -59,6 +59,10 @@ const (
 	// (package session), which bounds a dial's wait for room over shared
 	// memory too.
 	defaultQUICStreamWait = 5 * time.Second
+	// defaultQUICAcceptBacklog bounds the streams a listener holds that
+	// Accept has not returned when Config.AcceptBacklog is zero: that
+	// field's default (package session).
+	defaultQUICAcceptBacklog = 4096
 )
 
 // ErrNoSharedMemory is returned (wrapped) by Listener.AcceptStream and

@@ -24,7 +24,8 @@ import (
 // longer.
 //
 // Goroutines: a listener runs acceptLoop, and per connection one serve,
-// one goroutine per stream until Accept takes it, and one readQUICCtl; a
+// one goroutine per stream until Accept takes it (Config.AcceptBacklog at
+// most across the listener; quicListener.reserve), and one readQUICCtl; a
 // Dialer runs one trackQUIC per connection, which runs readQUICCtl. A
 // connection's idle and linger timers call step from their own goroutines
 // (time.AfterFunc).

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/quic-go/quic-go"
@@ -29,6 +30,12 @@ type quicListener struct {
 	linger time.Duration
 
 	accepts chan *quicStream
+	// backlog is the most streams the listener holds that Accept has not
+	// returned (Config.AcceptBacklog); pending counts them: those waiting
+	// for their preamble, each in a goroutine of its own, and those waiting
+	// for Accept. A stream beyond it is refused (serve).
+	backlog int64
+	pending atomic.Int64
 	ctx     context.Context // done once the listener stops accepting
 	stop    context.CancelFunc
 	// closeHook, nil outside tests, runs in close between stopping the
@@ -140,6 +147,7 @@ func startQUICListener(tr *quic.Transport, udp *net.UDPConn, rc *routedConn, up 
 		up:      up,
 		linger:  qcfg.MaxIdleTimeout,
 		accepts: make(chan *quicStream),
+		backlog: int64(cmp.Or(cfg.AcceptBacklog, defaultQUICAcceptBacklog)),
 		conns:   make(map[*quicConn]struct{}),
 	}
 	q.ctx, q.stop = context.WithCancel(context.Background())
@@ -192,6 +200,10 @@ func (q *quicListener) acceptLoop() {
 // serve hands the streams of qc to Accept until the connection ends, and
 // reads the client's messages (readQUICCtl); once the listener is closed
 // it refuses new streams, and the connection ends with its last stream.
+// It refuses a stream at once, too, when the listener already holds
+// q.backlog streams that Accept has not returned, of all its connections
+// (docs/protocol.md section 17, Streams): so the goroutines and stream
+// state that peers make the listener hold stay bounded.
 func (q *quicListener) serve(qc *quicConn) {
 	defer q.exit()
 	defer func() {
@@ -214,7 +226,7 @@ func (q *quicListener) serve(qc *quicConn) {
 		if err != nil {
 			return // the connection ended
 		}
-		if q.ctx.Err() != nil {
+		if q.ctx.Err() != nil || !q.reserve() {
 			qc.refused.Add(1)
 			s.CancelRead(quicCodeRefused)
 			s.CancelWrite(quicCodeRefused)
@@ -225,6 +237,7 @@ func (q *quicListener) serve(qc *quicConn) {
 		streams.Add(1)
 		go func() {
 			defer streams.Done()
+			defer q.pending.Add(-1) // returned by Accept, refused or reset
 			st, err := acceptQUICStream(s, qc, cmp.Or(q.cfg.HandshakeTimeout, defaultQUICPreambleTimeout))
 			if err != nil {
 				log.Debug("shmlink: QUIC stream reset", "remote", qc.conn.RemoteAddr(), "stream", s.StreamID(), "err", err)
@@ -239,6 +252,17 @@ func (q *quicListener) serve(qc *quicConn) {
 			}
 		}()
 	}
+}
+
+// reserve counts a stream that Accept has not returned yet, unless the
+// listener holds q.backlog of them: then it reports false, and the
+// stream must be refused.
+func (q *quicListener) reserve() bool {
+	if q.pending.Add(1) > q.backlog {
+		q.pending.Add(-1)
+		return false
+	}
+	return true
 }
 
 // accept returns the next stream, or the listener's error once it stopped.

@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -1062,4 +1063,113 @@ func TestQUICCloseWriteEndsBlockedWrite(t *testing.T) {
 	_, err = io.ReadFull(c, buf)
 	require.NoError(t, err)
 	require.Equal(t, "reply", string(buf))
+}
+
+// A "quic" listener holds at most Config.AcceptBacklog streams that Accept
+// has not returned, across its connections: a client that opens more,
+// with nobody calling Accept, gets the extra ones refused at once
+// (ErrStreamRefused on read and write, counted in StreamsRefused), and
+// the listener keeps no goroutine for them; the first ones are served
+// once Accept is called, and the freed room takes new streams
+// (docs/protocol.md section 17, Streams).
+func TestQUICAcceptBacklogBound(t *testing.T) {
+	const backlog, n = 4, 256
+	base := runtime.NumGoroutine()
+	_, stls, ctls := quicTLS(t, false)
+	// A small stream window, so that a write larger than it waits for the
+	// server's refusal (STOP_SENDING) if it has not arrived yet.
+	window := &quic.Config{InitialStreamReceiveWindow: 64 << 10, MaxStreamReceiveWindow: 64 << 10}
+	lc := shmlink.ListenConfig{TLSConfig: stls, QUICConfig: window, Config: &shmlink.Config{AcceptBacklog: backlog}}
+	ln, err := lc.Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer func() {
+		d.Close()
+		ln.CloseSessions()
+	}()
+	accept := func() net.Conn {
+		t.Helper()
+		type result struct {
+			c   net.Conn
+			err error
+		}
+		done := make(chan result, 1)
+		go func() {
+			c, err := ln.Accept()
+			done <- result{c, err}
+		}()
+		select {
+		case r := <-done:
+			require.NoError(t, r.err)
+			t.Cleanup(func() { r.c.Close() })
+			return r.c
+		case <-time.After(10 * time.Second):
+			t.Fatal("Accept did not return a stream in 10 s")
+			return nil
+		}
+	}
+
+	conns := make([]net.Conn, n)
+	for i := range conns {
+		c, err := d.Dial("quic", ln.Addr().String())
+		require.NoError(t, err)
+		defer c.Close()
+		conns[i] = c
+	}
+	// The server takes the streams in the order they were opened: the
+	// first backlog ones wait for Accept, the rest are refused.
+	for _, c := range conns[backlog:] {
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+		_, err := c.Read(make([]byte, 1))
+		require.ErrorIs(t, err, shmlink.ErrStreamRefused, "a stream beyond the backlog is refused at once")
+		require.NoError(t, c.SetWriteDeadline(time.Now().Add(10*time.Second)))
+		_, err = c.Write(make([]byte, 128<<10))
+		require.ErrorIs(t, err, shmlink.ErrStreamRefused)
+	}
+	require.Equal(t, uint64(n-backlog), ln.Stats().StreamsRefused)
+	require.Equal(t, backlog, shmlink.QUICPendingStreams(ln))
+	// One goroutine per pending stream, and a few per connection and
+	// listener (shmlink's and quic-go's, both sides): none per refused one.
+	require.Less(t, runtime.NumGoroutine()-base, backlog+50, "goroutines grow with the streams refused")
+
+	// Accept returns the first streams, which work both ways.
+	got := map[byte]net.Conn{}
+	for range backlog {
+		s := accept()
+		var b [1]byte
+		require.NoError(t, s.SetReadDeadline(time.Now().Add(10*time.Second)))
+		for i, c := range conns[:backlog] {
+			if _, ok := got[byte(i)]; !ok {
+				_, err := c.Write([]byte{byte(i)})
+				require.NoError(t, err)
+			}
+		}
+		_, err := io.ReadFull(s, b[:])
+		require.NoError(t, err)
+		got[b[0]] = s
+	}
+	require.Len(t, got, backlog)
+	for i, c := range conns[:backlog] {
+		_, err := got[byte(i)].Write([]byte{byte(i) + 100})
+		require.NoError(t, err)
+		var b [1]byte
+		require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+		_, err = io.ReadFull(c, b[:])
+		require.NoError(t, err)
+		require.Equal(t, byte(i)+100, b[0])
+	}
+	require.Zero(t, shmlink.QUICPendingStreams(ln))
+
+	// The room is free again: a new stream is served.
+	c, err := d.Dial("quic", ln.Addr().String())
+	require.NoError(t, err)
+	defer c.Close()
+	s := accept()
+	_, err = c.Write([]byte("y"))
+	require.NoError(t, err)
+	var b [1]byte
+	require.NoError(t, s.SetReadDeadline(time.Now().Add(10*time.Second)))
+	_, err = io.ReadFull(s, b[:])
+	require.NoError(t, err)
+	require.Equal(t, "y", string(b[:]))
 }

@@ -156,6 +156,9 @@ type Config struct {
 
 	// AcceptBacklog is the number of streams a server session queues for
 	// AcceptStream; beyond it new streams are refused (see MaxStreams).
+	// On shmlink's "quic" network it bounds, across a listener's
+	// connections, the streams that Accept has not returned; one beyond
+	// it is refused at once (docs/protocol.md section 17, Streams).
 	// Default 4096.
 	AcceptBacklog int
 
