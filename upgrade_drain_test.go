@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -29,45 +30,30 @@ const cmdStall = 'S'
 // the stream stays open until its session ends. Other streams are echoed
 // after their command (peertest.CmdEcho). wait waits for the handlers.
 func serveStalling(ln *shmlink.Listener, full chan<- error) (wait func()) {
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.AcceptStream()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				defer c.Close()
-				cmd, _, err := peertest.ReadCommand(c)
-				if err != nil {
-					return
-				}
-				if cmd != cmdStall {
-					io.Copy(c, c)
-					return
-				}
-				chunk := make([]byte, 1<<10)
-				for {
-					c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-					if _, err := c.Write(chunk); err != nil {
-						if !errors.Is(err, os.ErrDeadlineExceeded) {
-							full <- err
-							return
-						}
-						break
-					}
-				}
-				c.SetWriteDeadline(time.Time{})
-				full <- nil
-				io.Copy(io.Discard, c) // until the session ends
-			}()
+	return peertest.ServeEach(ln, func(c net.Conn) {
+		cmd, _, err := peertest.ReadCommand(c)
+		if err != nil {
+			return
 		}
-	}()
-	return wg.Wait
+		if cmd != cmdStall {
+			io.Copy(c, c)
+			return
+		}
+		chunk := make([]byte, 1<<10)
+		for {
+			c.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+			if _, err := c.Write(chunk); err != nil {
+				if !errors.Is(err, os.ErrDeadlineExceeded) {
+					full <- err
+					return
+				}
+				break
+			}
+		}
+		c.SetWriteDeadline(time.Time{})
+		full <- nil
+		io.Copy(io.Discard, c) // until the session ends
+	})
 }
 
 // logSignal is a slog.Handler that closes a channel at the first record

@@ -273,6 +273,31 @@ func requireServes(t *testing.T, cfg Config, ln net.Listener) {
 	c.Close()
 }
 
+// pendingGrant starts a generation a that has granted a request of a
+// TakeOver and waits in Extras for an error from fail before it answers;
+// granted receives TakeOver's error. It returns once a has granted.
+func pendingGrant(t *testing.T) (cfg Config, lnA net.Listener, a *Upgrader, fail chan<- error, granted <-chan error) {
+	t.Helper()
+	cfg = testConfig(t)
+	cfg.Extras = 1
+	lnA, a = listenFirst(t, cfg)
+	fl := newFakeListener()
+	making := make(chan struct{})
+	failc := make(chan error)
+	fl.setExtras(func() ([]net.Listener, func(bool), error) {
+		close(making)
+		return nil, nil, <-failc
+	})
+	a.Start(fl)
+	grantedc := make(chan error, 1)
+	go func() {
+		_, _, err := TakeOver(context.Background(), cfg, nil)
+		grantedc <- err
+	}()
+	<-making // a granted the request, and has sent nothing yet
+	return cfg, lnA, a, failc, grantedc
+}
+
 // A generation that closes without handing over leaves the socket files of
 // a process that listened afresh meanwhile (its sockets closed, so that
 // process removed their files as stale and bound its own): with no grant
@@ -301,23 +326,7 @@ func TestUpgradeCloseKeepsNewFiles(t *testing.T) {
 		require.NoFileExists(t, cfg.Address)
 	})
 	t.Run("grant pending", func(t *testing.T) {
-		cfg := testConfig(t)
-		cfg.Extras = 1
-		lnA, a := listenFirst(t, cfg)
-		fl := newFakeListener()
-		making := make(chan struct{})
-		fail := make(chan error)
-		fl.setExtras(func() ([]net.Listener, func(bool), error) {
-			close(making)
-			return nil, nil, <-fail
-		})
-		a.Start(fl)
-		granted := make(chan error, 1)
-		go func() {
-			_, _, err := TakeOver(context.Background(), cfg, nil)
-			granted <- err
-		}()
-		<-making // a granted the request, and has sent nothing yet
+		cfg, lnA, a, fail, granted := pendingGrant(t)
 
 		a.Stop()
 		require.NoError(t, lnA.Close())
@@ -339,23 +348,7 @@ func TestUpgradeCloseKeepsNewFiles(t *testing.T) {
 	})
 	t.Run("grant pending, own files", func(t *testing.T) {
 		// Nobody took the paths: a's Close removes its files.
-		cfg := testConfig(t)
-		cfg.Extras = 1
-		lnA, a := listenFirst(t, cfg)
-		fl := newFakeListener()
-		making := make(chan struct{})
-		fail := make(chan error)
-		fl.setExtras(func() ([]net.Listener, func(bool), error) {
-			close(making)
-			return nil, nil, <-fail
-		})
-		a.Start(fl)
-		granted := make(chan error, 1)
-		go func() {
-			_, _, err := TakeOver(context.Background(), cfg, nil)
-			granted <- err
-		}()
-		<-making
+		cfg, lnA, a, fail, granted := pendingGrant(t)
 		a.Stop()
 		require.NoError(t, lnA.Close())
 		require.FileExists(t, cfg.Path, "the answer decides")
