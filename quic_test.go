@@ -783,19 +783,28 @@ func TestQUICHandshakeErrorWrapped(t *testing.T) {
 	require.NotErrorIs(t, err, shmlink.ErrHandshake)
 }
 
+// quicSmallWindow returns a "quic" listener on 127.0.0.1 whose streams'
+// receive windows are 64 KiB, so that a Write of more blocks while the
+// server does not read, and a Dialer for it; both close at the test's end.
+func quicSmallWindow(t *testing.T) (*shmlink.Listener, *shmlink.Dialer) {
+	t.Helper()
+	_, stls, ctls := quicTLS(t, false)
+	window := &quic.Config{InitialStreamReceiveWindow: 64 << 10, MaxStreamReceiveWindow: 64 << 10}
+	ln, err := (&shmlink.ListenConfig{TLSConfig: stls, QUICConfig: window}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { ln.CloseSessions() })
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	t.Cleanup(func() { d.Close() })
+	return ln, d
+}
+
 // Close ends a Write blocked on flow control even when a SetWriteDeadline
 // that began before Close sets its deadline after Close set the past one
 // that ends the Write: the setter sets the past deadline again. Without
 // that, the Write would stay blocked, and Close behind it. The hooks hold
 // the setter and Close at the interleaving.
 func TestQUICCloseRacesSetWriteDeadline(t *testing.T) {
-	_, stls, ctls := quicTLS(t, false)
-	window := &quic.Config{InitialStreamReceiveWindow: 64 << 10, MaxStreamReceiveWindow: 64 << 10}
-	ln, err := (&shmlink.ListenConfig{TLSConfig: stls, QUICConfig: window}).Listen(t.Context(), "quic", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer ln.CloseSessions()
-	d := &shmlink.Dialer{TLSConfig: ctls}
-	defer d.Close()
+	ln, d := quicSmallWindow(t)
 
 	for range 10 {
 		c, err := d.Dial("quic", ln.Addr().String())
@@ -1002,13 +1011,7 @@ func TestQUICHandshakeTimeout(t *testing.T) {
 // before, then io.EOF, and later writes fail with ErrWriteClosed
 // (docs/protocol.md section 17, Closing).
 func TestQUICCloseWriteEndsBlockedWrite(t *testing.T) {
-	_, stls, ctls := quicTLS(t, false)
-	window := &quic.Config{InitialStreamReceiveWindow: 64 << 10, MaxStreamReceiveWindow: 64 << 10}
-	ln, err := (&shmlink.ListenConfig{TLSConfig: stls, QUICConfig: window}).Listen(t.Context(), "quic", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer ln.CloseSessions()
-	d := &shmlink.Dialer{TLSConfig: ctls}
-	defer d.Close()
+	ln, d := quicSmallWindow(t)
 	c, s := dialAccepted(t, d, ln, "quic")
 
 	const first = 1000
