@@ -77,7 +77,9 @@ var quicBufferWarning sync.Once
 
 // quicTLS returns a copy of c for the QUIC mode, or a *ConfigError when c
 // is nil or cannot serve (server: no certificate). NextProtos is set to
-// shmlink's ALPN, and TLS 1.3 is the minimum, as QUIC requires.
+// shmlink's ALPN, and TLS 1.3 is the minimum, as QUIC requires; so they are
+// in the config that c's GetConfigForClient returns for a connection, if
+// any (docs/protocol.md section 17).
 func quicTLS(c *tls.Config, server bool) (*tls.Config, error) {
 	field := "Dialer.TLSConfig"
 	if server {
@@ -95,6 +97,18 @@ func quicTLS(c *tls.Config, server bool) (*tls.Config, error) {
 	out := c.Clone()
 	out.NextProtos = []string{quicALPN}
 	out.MinVersion = tls.VersionTLS13
+	if get := c.GetConfigForClient; get != nil {
+		out.GetConfigForClient = func(hello *tls.ClientHelloInfo) (*tls.Config, error) {
+			cc, err := get(hello)
+			if cc == nil || err != nil {
+				return cc, err // nil: out itself serves the connection
+			}
+			cc = cc.Clone()
+			cc.NextProtos = []string{quicALPN}
+			cc.MinVersion = tls.VersionTLS13
+			return cc, nil
+		}
+	}
 	return out, nil
 }
 

@@ -1176,3 +1176,39 @@ func TestQUICAcceptBacklogBound(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "y", string(b[:]))
 }
+
+// A listener whose TLSConfig picks each connection's config
+// (GetConfigForClient) still speaks only shmlink's ALPN over TLS 1.3: the
+// config returned gets them, whatever its NextProtos, so a QUIC client of
+// another protocol fails its handshake and shmlink's Dialer gets in
+// (docs/protocol.md section 17).
+func TestQUICConfigForClientKeepsALPN(t *testing.T) {
+	_, stls, ctls := quicTLS(t, false)
+	var picked atomic.Int32
+	base := &tls.Config{GetConfigForClient: func(*tls.ClientHelloInfo) (*tls.Config, error) {
+		picked.Add(1)
+		c := stls.Clone()
+		c.NextProtos = []string{"h3"}
+		return c, nil
+	}}
+	ln, err := (&shmlink.ListenConfig{TLSConfig: base}).Listen(t.Context(), "quic", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.CloseSessions()
+	defer serveEcho(ln, 1)()
+
+	h3 := ctls.Clone()
+	h3.NextProtos = []string{"h3"}
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	_, err = quic.DialAddr(ctx, ln.Addr().String(), h3, nil)
+	require.Error(t, err, "a client of another ALPN is refused")
+	require.ErrorContains(t, err, "no application protocol")
+	require.EqualValues(t, 1, picked.Load(), "the listener's GetConfigForClient served it")
+
+	d := &shmlink.Dialer{TLSConfig: ctls}
+	defer d.Close()
+	c, err := d.DialContext(ctx, "quic", ln.Addr().String())
+	require.NoError(t, err)
+	requireEcho(t, c, "shmlink/1")
+	require.NoError(t, c.Close())
+}
