@@ -602,12 +602,14 @@ func (h handover) HandOver(epoch uint64) <-chan struct{} {
 // makes Accept return ErrUpgraded.
 func (h handover) Drained() int {
 	l := h.l
-	n := l.closeSessions()
 	l.mu.Lock()
 	if l.err == nil {
 		l.err = l.closedError("accept", ErrUpgraded)
 	}
 	l.mu.Unlock()
+	// Stopped first, so that a session whose handshake completes from
+	// here on closes itself (serve), and every other one is in the set
+	// that closeSessions takes: none outlives the drain.
 	l.stop()
-	return n
+	return l.closeSessions()
 }
