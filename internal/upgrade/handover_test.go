@@ -273,6 +273,29 @@ func requireServes(t *testing.T, cfg Config, ln net.Listener) {
 	c.Close()
 }
 
+// closeAndListenAfresh closes generation a without a handover, as
+// Listener.Close does (Stop, then the listening socket), and listens
+// afresh at cfg's paths, as a new process that finds no owner does.
+func closeAndListenAfresh(t *testing.T, cfg Config, lnA net.Listener, a *Upgrader) (net.Listener, *Upgrader) {
+	t.Helper()
+	a.Stop()
+	require.NoError(t, lnA.Close())
+	_, _, err := TakeOver(context.Background(), cfg, nil)
+	require.ErrorIs(t, err, ErrNoOwner)
+	return listenFirst(t, cfg)
+}
+
+// closeLast closes the last generation, u, and checks that it removed
+// both socket files.
+func closeLast(t *testing.T, cfg Config, ln net.Listener, u *Upgrader) {
+	t.Helper()
+	u.Stop()
+	require.NoError(t, ln.Close())
+	u.Close()
+	require.NoFileExists(t, cfg.Path)
+	require.NoFileExists(t, cfg.Address)
+}
+
 // pendingGrant starts a generation a that has granted a request of a
 // TakeOver and waits in Extras for an error from fail before it answers;
 // granted receives TakeOver's error. It returns once a has granted.
@@ -310,29 +333,15 @@ func TestUpgradeCloseKeepsNewFiles(t *testing.T) {
 		cfg := testConfig(t)
 		lnA, a := listenFirst(t, cfg)
 		a.Start(newFakeListener())
-		// As Listener.Close: Stop, close the listening socket, then Close.
-		a.Stop()
-		require.NoError(t, lnA.Close())
-		_, _, err := TakeOver(context.Background(), cfg, nil)
-		require.ErrorIs(t, err, ErrNoOwner)
-		lnB, b := listenFirst(t, cfg)
+		lnB, b := closeAndListenAfresh(t, cfg, lnA, a)
 		a.Close()
 		requireServes(t, cfg, lnB)
 
-		b.Stop()
-		require.NoError(t, lnB.Close())
-		b.Close()
-		require.NoFileExists(t, cfg.Path)
-		require.NoFileExists(t, cfg.Address)
+		closeLast(t, cfg, lnB, b)
 	})
 	t.Run("grant pending", func(t *testing.T) {
 		cfg, lnA, a, fail, granted := pendingGrant(t)
-
-		a.Stop()
-		require.NoError(t, lnA.Close())
-		_, _, err := TakeOver(context.Background(), cfg, nil)
-		require.ErrorIs(t, err, ErrNoOwner)
-		lnB, b := listenFirst(t, cfg)
+		lnB, b := closeAndListenAfresh(t, cfg, lnA, a)
 		fds := openFds(t)
 		fail <- syscall.EMFILE
 		require.ErrorIs(t, <-granted, ErrHandoverFailed)
@@ -340,11 +349,7 @@ func TestUpgradeCloseKeepsNewFiles(t *testing.T) {
 		requireServes(t, cfg, lnB)
 		require.Less(t, openFds(t), fds, "a's references to its files closed")
 
-		b.Stop()
-		require.NoError(t, lnB.Close())
-		b.Close()
-		require.NoFileExists(t, cfg.Path)
-		require.NoFileExists(t, cfg.Address)
+		closeLast(t, cfg, lnB, b)
 	})
 	t.Run("grant pending, own files", func(t *testing.T) {
 		// Nobody took the paths: a's Close removes its files.
